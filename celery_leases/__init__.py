@@ -1,0 +1,60 @@
+"""celery-leases: Celery tasks that are safe to run twice.
+
+Before a task body runs, the worker claims an expiring lease on the job in a
+shared store, renews it from a heartbeat, and finishes with a fenced
+completion. Each claim carries a generation number, the fencing token.
+"""
+
+from __future__ import annotations
+
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    StaleFencingToken,
+    StoreUnavailable,
+)
+from celery_leases.stores import LeaseStore, open_store
+from celery_leases.stores.base import (
+    Acquired,
+    AlreadyCompleted,
+    ClaimResult,
+    Completed,
+    HeldElsewhere,
+    LeaseRecord,
+    LeaseState,
+    Refusal,
+    RefusalReason,
+    Released,
+    Renewed,
+    RenewRequest,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # stores
+    "LeaseStore",
+    "open_store",
+    # store records and results
+    "Acquired",
+    "AlreadyCompleted",
+    "ClaimResult",
+    "Completed",
+    "HeldElsewhere",
+    "LeaseRecord",
+    "LeaseState",
+    "Refusal",
+    "RefusalReason",
+    "Released",
+    "RenewRequest",
+    "Renewed",
+    # errors
+    "LeaseConfigurationError",
+    "LeaseError",
+    "LeaseHeld",
+    "LeaseLost",
+    "StaleFencingToken",
+    "StoreUnavailable",
+]

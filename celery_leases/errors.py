@@ -1,0 +1,122 @@
+"""The error tree of celery-leases.
+
+Every error the library raises derives from :class:`LeaseError`, so one
+``except LeaseError`` covers them all. The subclasses are the cases a caller
+handles differently.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LeaseConfigurationError",
+    "LeaseError",
+    "LeaseHeld",
+    "LeaseLost",
+    "StaleFencingToken",
+    "StoreUnavailable",
+]
+
+
+class LeaseError(Exception):
+    """Root of every error raised by celery-leases.
+
+    Attributes:
+        job_id: the job the error is about, when there is one.
+        owner: the owner token involved, when there is one.
+        generation: the generation (fencing token) involved, when there is one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        job_id: str | None = None,
+        owner: str | None = None,
+        generation: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.owner = owner
+        self.generation = generation
+
+
+class LeaseHeld(LeaseError):
+    """Another worker holds a live lease on the job.
+
+    Attributes:
+        holder: owner token of the worker that holds the lease.
+        remaining: seconds left on the holder's lease, by the store's clock.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        job_id: str,
+        holder: str,
+        generation: int,
+        remaining: float,
+    ) -> None:
+        super().__init__(message, job_id=job_id, owner=holder, generation=generation)
+        self.holder = holder
+        self.remaining = remaining
+
+
+class LeaseLost(LeaseError):
+    """The caller no longer holds the lease it thinks it holds.
+
+    Raised when a renewal, completion or release is refused (another worker
+    claimed a newer generation, the job was completed, or the lease was
+    released), or when the local safe deadline has passed. Task code that
+    sees it must stop producing effects.
+
+    Attributes:
+        reason: a short machine-readable reason (see ``RefusalReason``), or
+            ``"deadline"`` when the local safe deadline passed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        job_id: str,
+        owner: str | None,
+        generation: int | None,
+        reason: str,
+    ) -> None:
+        super().__init__(message, job_id=job_id, owner=owner, generation=generation)
+        self.reason = reason
+
+
+class StaleFencingToken(LeaseError):
+    """A fenced target refused a write whose generation is not newer.
+
+    Attributes:
+        resource: the fenced resource the write was aimed at.
+        accepted: the highest generation the target has accepted, if known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        job_id: str | None,
+        generation: int,
+        resource: str,
+        accepted: int | None,
+    ) -> None:
+        super().__init__(message, job_id=job_id, generation=generation)
+        self.resource = resource
+        self.accepted = accepted
+
+
+class StoreUnavailable(LeaseError):
+    """The lease store could not be reached or answered with an error.
+
+    The original driver error is chained as ``__cause__``. Nothing is known
+    to have happened: a claim that raises this did not give a lease.
+    """
+
+
+class LeaseConfigurationError(LeaseError):
+    """The configuration is wrong; the message says what to change."""

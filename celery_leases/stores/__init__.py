@@ -1,0 +1,70 @@
+"""Lease stores and :func:`open_store`, which picks one from a URL.
+
+Optional backends are imported only when asked for, and a missing driver
+says which extra to install.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_leases.errors import LeaseConfigurationError
+from celery_leases.stores.base import LeaseStore
+
+__all__ = ["LeaseStore", "open_store"]
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
+
+
+def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:
+    error = LeaseConfigurationError(
+        f"this store needs a driver that is not installed ({exc.name}): "
+        f"pip install 'celery-leases[{extra}]'"
+    )
+    error.__cause__ = exc
+    return error
+
+
+def open_store(url: str, **options: Any) -> LeaseStore:
+    """Open the lease store that ``url`` names.
+
+    Args:
+        url: ``redis://``, ``rediss://`` or ``unix://`` for Redis;
+            ``postgresql+psycopg://`` or ``sqlite:///path`` for SQL;
+            ``memory://`` for the in-process testing store.
+        **options: passed to the store's ``from_url`` (for example
+            ``prefix=`` for Redis, ``table_name=`` for SQL).
+
+    Raises:
+        LeaseConfigurationError: the URL is not one of the above, or its
+            driver is not installed.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise LeaseConfigurationError(
+            f"lease store URL {url!r} is not a URL; use redis://host:6379/0, "
+            "postgresql+psycopg://user@host/db, sqlite:///path/to/file.db or memory://"
+        )
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "memory":
+        from celery_leases.stores.memory import MemoryStore
+
+        return MemoryStore(**options)
+    if scheme in _REDIS_SCHEMES:
+        try:
+            from celery_leases.stores.redis import RedisStore
+        except ImportError as exc:
+            raise _missing("redis", exc) from exc
+        return RedisStore.from_url(url, **options)
+    if scheme in _SQL_SCHEMES:
+        try:
+            from celery_leases.stores.sql import SqlStore
+        except ImportError as exc:
+            raise _missing(
+                "postgres" if scheme.startswith("postgresql") else "sqlalchemy", exc
+            ) from exc
+        return SqlStore.from_url(url, **options)
+    raise LeaseConfigurationError(
+        f"unknown lease store scheme {scheme!r} in {url!r}; use one of "
+        "redis://, rediss://, unix://, postgresql+psycopg://, sqlite:///, memory://"
+    )

@@ -1,0 +1,176 @@
+"""An in-process lease store, **a testing aid only**.
+
+It keeps records in a dict guarded by a lock, in one process. Two worker
+processes never share it, so it cannot protect a real deployment; use it for
+unit tests and eager-mode tests. Its clock is injectable, so tests can make
+time pass without sleeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from celery_leases.stores.base import (
+    Acquired,
+    AlreadyCompleted,
+    ClaimResult,
+    Completed,
+    CompleteResult,
+    HeldElsewhere,
+    LeaseRecord,
+    LeaseState,
+    LeaseStore,
+    Released,
+    ReleaseResult,
+    Renewed,
+    RenewRequest,
+    RenewResult,
+    refusal_for,
+)
+
+__all__ = ["MemoryStore", "ManualClock"]
+
+
+def _wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ManualClock:
+    """A clock for tests: starts at ``start_ms`` and moves only when told."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self.now_ms = start_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock forward by ``seconds``."""
+        self.now_ms += round(seconds * 1000)
+
+
+class MemoryStore(LeaseStore):
+    """Lease store in a dict, for tests. Not shared between processes.
+
+    Args:
+        clock: returns the store's time in integer milliseconds since the
+            epoch; defaults to the wall clock. Pass a :class:`ManualClock`
+            to control time in tests.
+    """
+
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        self.url = "memory://"
+        self._clock = clock or _wall_clock_ms
+        self._lock = threading.Lock()
+        self._data: dict[str, LeaseRecord] = {}
+
+    def _now_ms(self) -> int:
+        return self._clock()
+
+    def _claim(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> ClaimResult:
+        with self._lock:
+            now = self._clock()
+            record = self._data.get(job_id)
+            if record is None:
+                generation = now
+            elif record.state is LeaseState.COMPLETED:
+                return AlreadyCompleted(job_id, record.generation)
+            elif record.is_live(now):
+                return HeldElsewhere(
+                    job_id, record.owner, record.generation, (record.lease_until_ms - now) / 1000
+                )
+            else:
+                generation = record.generation + 1
+            self._data[job_id] = LeaseRecord(
+                job_id=job_id,
+                owner=owner,
+                generation=generation,
+                lease_until_ms=now + ttl_ms,
+                state=LeaseState.HELD,
+                task_name=task_name,
+                claimed_at_ms=now,
+                renew_count=0,
+            )
+            return Acquired(job_id, owner, generation, now + ttl_ms, now)
+
+    def _matching(self, job_id: str, owner: str, generation: int) -> LeaseRecord | None:
+        record = self._data.get(job_id)
+        if (
+            record is not None
+            and record.owner == owner
+            and record.generation == generation
+            and record.state is LeaseState.HELD
+        ):
+            return record
+        return None
+
+    def _renew_locked(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult:
+        record = self._matching(job_id, owner, generation)
+        if record is None:
+            return refusal_for(self._data.get(job_id), job_id, owner, generation)
+        now = self._clock()
+        self._data[job_id] = dataclasses.replace(
+            record,
+            lease_until_ms=now + ttl_ms,
+            renewed_at_ms=now,
+            renew_count=record.renew_count + 1,
+        )
+        return Renewed(job_id, generation, now + ttl_ms, now)
+
+    def _renew(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult:
+        with self._lock:
+            return self._renew_locked(job_id, owner, generation, ttl_ms)
+
+    def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        with self._lock:
+            return [
+                self._renew_locked(r.job_id, r.owner, r.generation, round(r.ttl * 1000))
+                for r in requests
+            ]
+
+    def _complete(self, job_id: str, owner: str, generation: int) -> CompleteResult:
+        with self._lock:
+            record = self._matching(job_id, owner, generation)
+            if record is None:
+                return refusal_for(self._data.get(job_id), job_id, owner, generation)
+            self._data[job_id] = dataclasses.replace(
+                record, state=LeaseState.COMPLETED, completed_at_ms=self._clock()
+            )
+            return Completed(job_id, generation)
+
+    def _release(self, job_id: str, owner: str, generation: int) -> ReleaseResult:
+        with self._lock:
+            record = self._matching(job_id, owner, generation)
+            if record is None:
+                return refusal_for(self._data.get(job_id), job_id, owner, generation)
+            self._data[job_id] = dataclasses.replace(
+                record, state=LeaseState.RELEASED, owner="", lease_until_ms=self._clock()
+            )
+            return Released(job_id, generation)
+
+    def _get(self, job_id: str) -> LeaseRecord | None:
+        with self._lock:
+            return self._data.get(job_id)
+
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord]:
+        with self._lock:
+            snapshot = list(self._data.values())
+        return iter([r for r in snapshot if state is None or r.state is state])
+
+    def _purge_completed(self, older_than_ms: int) -> int:
+        with self._lock:
+            now = self._clock()
+            doomed = [
+                job_id
+                for job_id, r in self._data.items()
+                if r.state is LeaseState.COMPLETED
+                and r.completed_at_ms is not None
+                and r.completed_at_ms <= now - older_than_ms
+                and r.generation < now
+            ]
+            for job_id in doomed:
+                del self._data[job_id]
+            return len(doomed)
