@@ -1,0 +1,118 @@
+"""Session-wide fixtures: throwaway servers and the store under test.
+
+Locally, a server whose binaries are missing skips the tests that need it,
+with a message. With ``CI=true`` it fails them instead, so CI can never pass
+without really exercising Redis and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from celery_leases import LeaseStore, open_store
+from tests.servers import PostgresServer, RedisServer, ServerMissing
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+STORE_KINDS = ["memory", "redis", "postgres", "sqlite"]
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: a missing server fails the run)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server shared by the session (one DB per test is not needed:
+    every test uses its own key prefix)."""
+    try:
+        server = RedisServer()
+    except ServerMissing as exc:
+        _unavailable(str(exc))
+        raise  # unreachable: _unavailable raises
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    try:
+        server = PostgresServer()
+    except ServerMissing as exc:
+        _unavailable(str(exc))
+        raise
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique name for keys, prefixes and tables of one test."""
+    return uuid.uuid4().hex[:10]
+
+
+StoreFactory = Callable[[], LeaseStore]
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store_url(
+    store_kind: str, request: pytest.FixtureRequest, tmp_path: Path, unique: str
+) -> tuple[str, dict[str, str]]:
+    """URL and options for a fresh, empty store of ``store_kind``."""
+    if store_kind == "memory":
+        return "memory://", {}
+    if store_kind == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return server.url, {"prefix": f"t{unique}:"}
+    if store_kind == "postgres":
+        pg: PostgresServer = request.getfixturevalue("postgres_server")
+        return pg.url, {"table_name": f"leases_{unique}"}
+    if store_kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'leases.db'}", {"table_name": f"leases_{unique}"}
+    raise AssertionError(store_kind)
+
+
+@pytest.fixture
+def open_test_store(store_url: tuple[str, dict[str, str]]) -> Iterator[StoreFactory]:
+    """Opens further handles on the same store (another 'worker process')."""
+    url, options = store_url
+    opened: list[LeaseStore] = []
+    shared: LeaseStore | None = None
+
+    def factory() -> LeaseStore:
+        nonlocal shared
+        if url == "memory://":
+            # one process: every handle is the same store
+            if shared is None:
+                shared = open_store(url)
+                opened.append(shared)
+            return shared
+        store = open_store(url, **options)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(open_test_store: StoreFactory) -> LeaseStore:
+    """A fresh, empty store of each kind (parametrized)."""
+    return open_test_store()
