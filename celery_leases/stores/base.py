@@ -76,6 +76,8 @@ class LeaseRecord:
     renewed_at_ms: int | None = None
     completed_at_ms: int | None = None
     renew_count: int = 0
+    #: claims that found the previous holder's lease run out (not released)
+    takeovers: int = 0
 
     @property
     def lease_until(self) -> datetime:
@@ -99,6 +101,9 @@ class Acquired:
     generation: int
     lease_until_ms: int
     store_now_ms: int
+    #: how many claims of this job so far took over a lease that ran out
+    #: while held (its holder died or stalled); this claim included
+    takeovers: int = 0
 
     @property
     def lease_until(self) -> datetime:

@@ -74,6 +74,7 @@ class MemoryStore(LeaseStore):
         with self._lock:
             now = self._clock()
             record = self._data.get(job_id)
+            takeovers = 0
             if record is None:
                 generation = now
             elif record.state is LeaseState.COMPLETED:
@@ -84,6 +85,8 @@ class MemoryStore(LeaseStore):
                 )
             else:
                 generation = record.generation + 1
+                # a held record whose lease ran out: its holder died or stalled
+                takeovers = record.takeovers + (record.state is LeaseState.HELD)
             self._data[job_id] = LeaseRecord(
                 job_id=job_id,
                 owner=owner,
@@ -93,8 +96,9 @@ class MemoryStore(LeaseStore):
                 task_name=task_name,
                 claimed_at_ms=now,
                 renew_count=0,
+                takeovers=takeovers,
             )
-            return Acquired(job_id, owner, generation, now + ttl_ms, now)
+            return Acquired(job_id, owner, generation, now + ttl_ms, now, takeovers)
 
     def _matching(self, job_id: str, owner: str, generation: int) -> LeaseRecord | None:
         record = self._data.get(job_id)
