@@ -1,0 +1,44 @@
+"""``open_store``: which store a URL opens, and the errors for bad URLs."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_leases import LeaseConfigurationError, LeaseError, open_store
+from celery_leases.stores.memory import ManualClock, MemoryStore
+
+
+def test_memory_url_opens_a_memory_store() -> None:
+    store = open_store("memory://")
+    assert isinstance(store, MemoryStore)
+    assert store.url == "memory://"
+
+
+def test_memory_url_passes_options_to_the_store() -> None:
+    clock = ManualClock(start_ms=5_000_000)
+    store = open_store("memory://", clock=clock)
+    assert store.now_ms() == 5_000_000
+
+
+def test_scheme_is_case_insensitive() -> None:
+    assert isinstance(open_store("MEMORY://"), MemoryStore)
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://localhost/db", "http://localhost:6379", "mongodb://x", "://nothing"]
+)
+def test_unknown_scheme_is_a_configuration_error(url: str) -> None:
+    with pytest.raises(LeaseConfigurationError, match="unknown lease store scheme") as info:
+        open_store(url)
+    assert "redis://" in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["", "localhost:6379", "redis", "/tmp/leases.db", None, 6379])
+def test_not_a_url_is_a_configuration_error(url: object) -> None:
+    with pytest.raises(LeaseConfigurationError, match="is not a URL"):
+        open_store(url)  # type: ignore[arg-type]
+
+
+def test_url_errors_are_lease_errors() -> None:
+    with pytest.raises(LeaseError):
+        open_store("nope")
