@@ -1,0 +1,626 @@
+"""Benchmark the lease stores against baselines measured in the same run.
+
+For each store (memory, redis, postgres, sqlite) it times claim, renew,
+complete and claim-after-release, and compares them with what the same
+server and connection can do without the library:
+
+- Redis: claim+complete pairs against redis-py ``Lock`` acquire+release
+  pairs and against bare ``PING``, on the store's own client;
+- PostgreSQL and SQLite: claim against ``SELECT 1`` through ``store.engine``;
+- every store: one ``renew_many`` of ``--batch`` leases against as many
+  single renews.
+
+The machine may be shared and noisy, so each case runs once per round, the
+order of the cases rotates from round to round, and the table reports the
+median of the rounds and ratios of medians taken in the same run. Loops are
+sequential on one connection: they measure latency, like the baselines.
+
+The script starts its own throwaway redis-server and PostgreSQL (from
+``tests/servers.py``) and SQLite in a temporary folder, and always stops
+them. Run it from the repository root::
+
+    .venv/bin/python bench/stores.py
+    .venv/bin/python bench/stores.py --stores redis,postgres --ops 1000 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import gc
+import json
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    # run as a script: make the package and tests/servers.py importable
+    sys.path.insert(0, str(ROOT))
+
+from celery_leases import (  # noqa: E402 - needs ROOT on sys.path
+    Acquired,
+    Completed,
+    LeaseError,
+    LeaseStore,
+    Released,
+    Renewed,
+    RenewRequest,
+    open_store,
+)
+from tests.servers import PostgresServer, RedisServer, ServerMissing  # noqa: E402
+
+STORE_KINDS = ("memory", "redis", "postgres", "sqlite")
+
+#: A case runs ``n`` operations and returns the seconds the timed part took.
+Case = Callable[[int], float]
+
+
+class BenchError(RuntimeError):
+    """A store answered something a benchmark loop did not expect."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio to report: ``subject`` over ``baseline``, both by ops/s.
+
+    ``kind="speed"`` compares ops/s (higher is better); ``kind="time"``
+    compares the seconds one case takes against the other (lower is better).
+    ``limit`` is ``None`` for ratios shown for information only.
+    """
+
+    label: str
+    subject: str
+    baseline: str
+    kind: str = "speed"
+    limit: float | None = None
+
+
+@dataclass
+class StoreBench:
+    """The cases of one store, its targets, and what was measured."""
+
+    kind: str
+    cases: dict[str, Case]
+    #: how many operations one case counts as one (``n`` for most cases)
+    fixed_ops: dict[str, int] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    #: seconds per round, by case
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    #: operations per round, by case
+    ops: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    def rate(self, case: str) -> list[float]:
+        """Operations per second of each round of ``case``."""
+        return [self.ops[case] / s for s in self.seconds[case]]
+
+
+# --- timing ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_gc() -> Iterator[None]:
+    """Collect first, then keep the collector out of the timed loop (as timeit does)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def timed(loop: Callable[[], object]) -> float:
+    """Run ``loop`` once and return the seconds it took."""
+    with _quiet_gc():
+        start = time.perf_counter()
+        loop()
+        return time.perf_counter() - start
+
+
+def run_rounds(bench: StoreBench, n: int, rounds: int) -> None:
+    """Run every case once per round, rotating their order between rounds."""
+    names = list(bench.cases)
+    for index in range(rounds):
+        shift = index % len(names)
+        order = names[shift:] + names[:shift]
+        if index % 2:
+            order.reverse()
+        for name in order:
+            seconds = bench.cases[name](n)
+            bench.seconds.setdefault(name, []).append(seconds)
+            bench.ops[name] = bench.fixed_ops.get(name, n)
+
+
+# --- lease cases, shared by every store -------------------------------------
+
+
+class LeaseSupply:
+    """Held leases for the cases that need one (renew, complete, release).
+
+    Claims made as set-up are not timed; a timed claim hands its lease on
+    here, so most set-up comes for free.
+    """
+
+    def __init__(self, store: LeaseStore, owner: str, ttl: float) -> None:
+        self.store = store
+        self.owner = owner
+        self.ttl = ttl
+        self.held: list[Acquired] = []
+
+    def fresh_job(self) -> str:
+        return f"bench-{uuid.uuid4().hex}"
+
+    def claim(self, job_id: str) -> Acquired:
+        result = self.store.claim(job_id, self.owner, self.ttl)
+        if not isinstance(result, Acquired):
+            raise BenchError(f"claim of new job {job_id!r} returned {result!r}")
+        return result
+
+    def take(self, n: int) -> list[Acquired]:
+        """``n`` held leases, claiming more (untimed) when short."""
+        while len(self.held) < n:
+            self.held.append(self.claim(self.fresh_job()))
+        taken, self.held = self.held[:n], self.held[n:]
+        return taken
+
+
+def _expect(result: object, kind: type, action: str, job_id: str) -> None:
+    if not isinstance(result, kind):
+        raise BenchError(f"{action} of {job_id!r} returned {result!r}")
+
+
+def lease_cases(supply: LeaseSupply, batch: list[Acquired]) -> dict[str, Case]:
+    """claim, renew, complete, re-claim and the batched-renew pair of cases."""
+    store, owner, ttl = supply.store, supply.owner, supply.ttl
+
+    def claim(n: int) -> float:
+        jobs = [supply.fresh_job() for _ in range(n)]
+        got: list[Acquired] = []
+
+        def loop() -> None:
+            for job_id in jobs:
+                result = store.claim(job_id, owner, ttl)
+                _expect(result, Acquired, "claim", job_id)
+                got.append(result)  # type: ignore[arg-type]
+
+        seconds = timed(loop)
+        supply.held.extend(got)
+        return seconds
+
+    def renew(n: int) -> float:
+        leases = supply.take(n)
+
+        def loop() -> None:
+            for lease in leases:
+                result = store.renew(lease.job_id, owner, lease.generation, ttl)
+                _expect(result, Renewed, "renew", lease.job_id)
+
+        seconds = timed(loop)
+        supply.held.extend(leases)
+        return seconds
+
+    def complete(n: int) -> float:
+        leases = supply.take(n)
+
+        def loop() -> None:
+            for lease in leases:
+                result = store.complete(lease.job_id, owner, lease.generation)
+                _expect(result, Completed, "complete", lease.job_id)
+
+        return timed(loop)
+
+    def reclaim(n: int) -> float:
+        leases = supply.take(n)
+        for lease in leases:
+            result = store.release(lease.job_id, owner, lease.generation)
+            _expect(result, Released, "release", lease.job_id)
+        got: list[Acquired] = []
+
+        def loop() -> None:
+            for lease in leases:
+                result = store.claim(lease.job_id, owner, ttl)
+                _expect(result, Acquired, "claim after release", lease.job_id)
+                got.append(result)  # type: ignore[arg-type]
+
+        seconds = timed(loop)
+        supply.held.extend(got)
+        return seconds
+
+    requests = [RenewRequest(lease.job_id, owner, lease.generation, ttl) for lease in batch]
+
+    def renew_singles(_n: int) -> float:
+        def loop() -> None:
+            for request in requests:
+                result = store.renew(request.job_id, owner, request.generation, ttl)
+                _expect(result, Renewed, "renew", request.job_id)
+
+        return timed(loop)
+
+    def renew_many(_n: int) -> float:
+        def loop() -> None:
+            results = store.renew_many(requests)
+            refused = [r for r in results if not isinstance(r, Renewed)]
+            if len(results) != len(requests) or refused:
+                raise BenchError(f"renew_many refused {len(refused)} leases: {refused[:3]!r}")
+
+        return timed(loop)
+
+    return {
+        "claim": claim,
+        "renew": renew,
+        "complete": complete,
+        "claim after release": reclaim,
+        "renew x batch": renew_singles,
+        "renew_many(batch)": renew_many,
+    }
+
+
+def batch_target(size: int, limit: float | None) -> Target:
+    return Target(
+        f"renew_many({size}) / {size} renews",
+        "renew_many(batch)",
+        "renew x batch",
+        kind="time",
+        limit=limit,
+    )
+
+
+# --- per-store set-up -------------------------------------------------------
+
+
+def _redis_client(store: LeaseStore, url: str) -> tuple[Any, str]:
+    """The store's own redis-py client, or a new one on the same server."""
+    import redis
+
+    for name in ("client", "redis", "_client", "_redis"):
+        candidate = getattr(store, name, None)
+        if isinstance(candidate, redis.Redis):
+            return candidate, f"store.{name}"
+    return redis.Redis.from_url(url), "a separate client (the store exposes none)"
+
+
+def redis_cases(store: LeaseStore, url: str, supply: LeaseSupply) -> tuple[dict[str, Case], str]:
+    """claim+complete pairs, redis-py Lock pairs and PING on one client."""
+    client, where = _redis_client(store, url)
+    owner, ttl = supply.owner, supply.ttl
+
+    def pairs(n: int) -> float:
+        jobs = [supply.fresh_job() for _ in range(n)]
+
+        def loop() -> None:
+            for job_id in jobs:
+                got = store.claim(job_id, owner, ttl)
+                if not isinstance(got, Acquired):
+                    raise BenchError(f"claim of {job_id!r} returned {got!r}")
+                done = store.complete(job_id, owner, got.generation)
+                _expect(done, Completed, "complete", job_id)
+
+        return timed(loop)
+
+    def lock_pairs(n: int) -> float:
+        names = [f"bench-lock:{uuid.uuid4().hex}" for _ in range(n)]
+
+        def loop() -> None:
+            for name in names:
+                lock = client.lock(name, timeout=ttl)
+                if not lock.acquire(blocking=False):
+                    raise BenchError(f"redis-py Lock {name!r} was not acquired")
+                lock.release()
+
+        return timed(loop)
+
+    def ping(n: int) -> float:
+        def loop() -> None:
+            for _ in range(n):
+                client.ping()
+
+        return timed(loop)
+
+    cases: dict[str, Case] = {
+        "claim+complete pair": pairs,
+        "redis-py Lock pair": lock_pairs,
+        "PING": ping,
+    }
+    return cases, f"baselines on {where}"
+
+
+def sql_cases(store: LeaseStore) -> dict[str, Case]:
+    """``SELECT 1`` through the store's engine, one pooled connection per query."""
+    from sqlalchemy import text
+
+    engine = store.engine  # type: ignore[attr-defined]
+    select_one = text("SELECT 1")
+
+    def select(n: int) -> float:
+        def loop() -> None:
+            for _ in range(n):
+                with engine.connect() as connection:
+                    connection.execute(select_one).scalar_one()
+
+        return timed(loop)
+
+    return {"SELECT 1": select}
+
+
+@dataclass
+class Opened:
+    """A store under test and how to get rid of it."""
+
+    store: LeaseStore
+    url: str
+    cleanup: list[Callable[[], None]]
+
+
+def open_kind(kind: str, fsync: str, unique: str) -> Opened:
+    """Start the server for ``kind`` (if any) and open a store on it.
+
+    Raises:
+        ServerMissing: the server's binaries are not installed.
+        LeaseError: the store could not be opened.
+    """
+    cleanup: list[Callable[[], None]] = []
+    try:
+        if kind == "memory":
+            url, options = "memory://", {}
+        elif kind == "redis":
+            redis_server = RedisServer("--appendfsync", fsync)
+            cleanup.append(redis_server.close)
+            url, options = redis_server.url, {"prefix": f"bench{unique}:"}
+        elif kind == "postgres":
+            pg_server = PostgresServer()
+            cleanup.append(pg_server.close)
+            url, options = pg_server.url, {"table_name": f"bench_{unique}"}
+        elif kind == "sqlite":
+            folder = tempfile.mkdtemp(prefix="leases-bench-sqlite-")
+            cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
+            url = f"sqlite:///{folder}/leases.db"
+            options = {"table_name": f"bench_{unique}"}
+        else:
+            raise ValueError(f"unknown store kind {kind!r}")
+        store = open_store(url, **options)
+        cleanup.insert(0, store.close)
+    except BaseException:
+        close_all(cleanup)
+        raise
+    return Opened(store, url, cleanup)
+
+
+def close_all(cleanup: list[Callable[[], None]]) -> None:
+    """Run every clean-up step, even when one of them fails."""
+    for step in cleanup:
+        try:
+            step()
+        except Exception as exc:  # report it and keep stopping servers
+            print(f"  clean-up step failed: {exc!r}", file=sys.stderr)
+
+
+def build_bench(kind: str, opened: Opened, args: argparse.Namespace) -> StoreBench:
+    """The cases and targets of one store; claims the batch leases (untimed)."""
+    store = opened.store
+    owner = f"bench-{platform.node()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    supply = LeaseSupply(store, owner, args.ttl)
+    batch = [supply.claim(supply.fresh_job()) for _ in range(args.batch)]
+    cases = lease_cases(supply, batch)
+    bench = StoreBench(kind, cases, fixed_ops={"renew x batch": args.batch})
+    bench.fixed_ops["renew_many(batch)"] = args.batch
+    # an in-process store has no round trip to save, so the batch target is informative
+    bench.targets.append(batch_target(args.batch, None if kind == "memory" else 0.1))
+    if kind == "redis":
+        extra, bench.note = redis_cases(store, opened.url, supply)
+        cases.update(extra)
+        bench.targets[:0] = [
+            Target("claim+complete pairs / Lock pairs", "claim+complete pair",
+                   "redis-py Lock pair", limit=1.5),
+            Target("claim+complete pairs / PING", "claim+complete pair", "PING"),
+            Target("claim / PING", "claim", "PING"),
+        ]  # fmt: skip
+    elif kind in ("postgres", "sqlite"):
+        cases.update(sql_cases(store))
+        limit = 0.5 if kind == "postgres" else None
+        bench.targets.insert(0, Target("claim / SELECT 1", "claim", "SELECT 1", limit=limit))
+    return bench
+
+
+# --- profiling --------------------------------------------------------------
+
+
+def profile_claims(bench_store: LeaseStore, n: int, ttl: float) -> None:
+    """Profile ``n`` claim+complete pairs and print where the time goes."""
+    owner = f"bench-profile-{os.getpid()}"
+    jobs = [f"bench-profile-{uuid.uuid4().hex}" for _ in range(n)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for job_id in jobs:
+        got = bench_store.claim(job_id, owner, ttl)
+        if isinstance(got, Acquired):
+            bench_store.complete(job_id, owner, got.generation)
+    profiler.disable()
+    stats = pstats.Stats(profiler, stream=sys.stdout)
+    stats.strip_dirs().sort_stats("tottime").print_stats(12)
+
+
+# --- report -----------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ratio_of(bench: StoreBench, target: Target) -> tuple[float, float, float]:
+    """The ratio of medians, and the lowest and highest per-round ratio."""
+    if target.kind == "time":
+        subject, baseline = bench.seconds[target.subject], bench.seconds[target.baseline]
+    else:
+        subject, baseline = bench.rate(target.subject), bench.rate(target.baseline)
+    per_round = [s / b for s, b in zip(subject, baseline, strict=True)]
+    return _median(subject) / _median(baseline), min(per_round), max(per_round)
+
+
+def verdict(target: Target, ratio: float) -> str:
+    if target.limit is None:
+        return "info"
+    ok = ratio >= target.limit if target.kind == "speed" else ratio <= target.limit
+    return "PASS" if ok else "MISS"
+
+
+def print_rates(benches: list[StoreBench]) -> None:
+    print(f"\n{'store':<9} {'case':<22} {'median ops/s':>13} {'min..max ops/s':>22}")
+    for bench in benches:
+        for case in bench.cases:
+            rates = bench.rate(case)
+            spread = f"{min(rates):,.0f}..{max(rates):,.0f}"
+            print(f"{bench.kind:<9} {case:<22} {_median(rates):>13,.0f} {spread:>22}")
+        if bench.note:
+            print(f"{'':<9} ({bench.note})")
+
+
+def print_ratios(benches: list[StoreBench]) -> list[dict[str, Any]]:
+    print(f"\n{'store':<9} {'ratio':<37} {'median':>8} {'rounds':>14} {'target':>9}  result")
+    rows = []
+    for bench in benches:
+        for target in bench.targets:
+            ratio, low, high = ratio_of(bench, target)
+            result = verdict(target, ratio)
+            sign = ">=" if target.kind == "speed" else "<="
+            limit = f"{sign} {target.limit:g}x" if target.limit is not None else "-"
+            spread = f"{low:.2f}..{high:.2f}"
+            print(
+                f"{bench.kind:<9} {target.label:<37} {ratio:>7.3f}x {spread:>14} "
+                f"{limit:>9}  {result}"
+            )
+            rows.append(
+                {
+                    "store": bench.kind,
+                    "ratio": target.label,
+                    "kind": target.kind,
+                    "median": ratio,
+                    "per_round_min": low,
+                    "per_round_max": high,
+                    "target": target.limit,
+                    "result": result,
+                }
+            )
+    print("  speed ratios compare ops/s (higher is better); renew_many compares time (lower).")
+    return rows
+
+
+def machine_line() -> str:
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
+        f"{os.cpu_count()} cores, load {load}, Python {platform.python_version()}"
+    )
+
+
+# --- main -------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Benchmark the lease stores against same-run baselines "
+        "(redis-py Lock, PING, SELECT 1) and print ratios with their targets.",
+    )
+    parser.add_argument(
+        "--stores",
+        default=",".join(STORE_KINDS),
+        help=f"comma-separated subset of {','.join(STORE_KINDS)} (default: all)",
+    )
+    parser.add_argument(
+        "--ops", type=int, default=400, help="operations per case per round (default: 400)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternating rounds per store (default: 5)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1000, help="leases per renew_many (default: 1000)"
+    )
+    parser.add_argument(
+        "--ttl", type=float, default=60.0, help="lease time in seconds (default: 60)"
+    )
+    parser.add_argument(
+        "--redis-appendfsync",
+        choices=("always", "everysec", "no"),
+        default="always",
+        help="AOF fsync policy of the throwaway redis-server (default: always, as in the tests)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile claim+complete pairs of each store"
+    )
+    parser.add_argument(
+        "--fail-on-miss", action="store_true", help="exit with status 1 when a target is missed"
+    )
+    args = parser.parse_args(argv)
+    kinds = [k.strip() for k in args.stores.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(STORE_KINDS))
+    if unknown or not kinds:
+        parser.error(f"--stores takes {','.join(STORE_KINDS)}; got {args.stores!r}")
+    if args.ops < 1 or args.rounds < 1 or args.batch < 1 or args.ttl <= 0:
+        parser.error("--ops, --rounds, --batch and --ttl must be positive")
+    args.kinds = kinds
+    return args
+
+
+def bench_one(kind: str, args: argparse.Namespace) -> StoreBench | None:
+    """Start, measure and stop one store; ``None`` when it is not available."""
+    started = time.perf_counter()
+    try:
+        opened = open_kind(kind, args.redis_appendfsync, uuid.uuid4().hex[:10])
+    except (ServerMissing, LeaseError) as exc:
+        print(f"{kind}: skipped, {exc}")
+        return None
+    try:
+        bench = build_bench(kind, opened, args)
+        run_rounds(bench, args.ops, args.rounds)
+        if args.profile:
+            print(f"\n--- profile of {args.ops} claim+complete pairs on {kind}")
+            profile_claims(opened.store, args.ops, args.ttl)
+    finally:
+        close_all(opened.cleanup)
+    print(f"{kind}: measured in {time.perf_counter() - started:.1f} s")
+    return bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(f"celery-leases store benchmark: {machine_line()}")
+    print(
+        f"{args.ops} operations per case per round, {args.rounds} rounds, batch of {args.batch}, "
+        f"redis appendfsync {args.redis_appendfsync}"
+    )
+    benches = [b for b in (bench_one(kind, args) for kind in args.kinds) if b is not None]
+    if not benches:
+        print("no store could be measured")
+        return 1
+    print_rates(benches)
+    rows = print_ratios(benches)
+    print(f"finished: {machine_line()}")
+    if args.json is not None:
+        report = {
+            "machine": machine_line(),
+            "options": {k: v for k, v in vars(args).items() if k not in ("json",)},
+            "rates": {b.kind: {case: b.rate(case) for case in b.cases} for b in benches},
+            "ratios": rows,
+        }
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    missed = [row for row in rows if row["result"] == "MISS"]
+    return 1 if missed and args.fail_on_miss else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
