@@ -1,0 +1,727 @@
+"""The SQL lease store: PostgreSQL or SQLite through SQLAlchemy Core.
+
+One table holds one row per job (see :func:`lease_table`). Every operation
+is one statement that reads the database's clock itself, so a worker's
+clock is never compared with a lease. What differs between the two
+databases (the clock, the upsert, how a JSON batch becomes rows, how
+transactions begin) lives in :class:`_Dialect` and nowhere else.
+
+PostgreSQL runs each statement in driver-level autocommit: an operation is
+one statement, so it is its own transaction and costs one round trip.
+SQLite runs each write in ``BEGIN IMMEDIATE``: the write lock is taken
+before anything is read, so many processes wait on the busy timeout
+instead of failing with ``database is locked``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sqlite3
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import Connection, Engine, RowMapping
+from sqlalchemy.sql.expression import ColumnElement, FromClause
+
+from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.stores.base import (
+    Acquired,
+    AlreadyCompleted,
+    ClaimResult,
+    Completed,
+    CompleteResult,
+    HeldElsewhere,
+    LeaseRecord,
+    LeaseState,
+    LeaseStore,
+    Released,
+    ReleaseResult,
+    Renewed,
+    RenewRequest,
+    RenewResult,
+    refusal_for,
+    ttl_to_ms,
+)
+
+__all__ = ["SqlStore", "create_table", "lease_table"]
+
+DEFAULT_TABLE_NAME = "celery_leases"
+
+#: seconds a SQLite connection waits for another writer before giving up
+SQLITE_BUSY_TIMEOUT = 10.0
+
+#: RETURNING arrived in SQLite 3.35 (UPDATE ... FROM in 3.33)
+MIN_SQLITE_VERSION = (3, 35, 0)
+
+#: rows per page when iterating over records
+RECORDS_PAGE_SIZE = 500
+
+#: claim attempts when the holder turned out to be gone by the time we looked
+CLAIM_ATTEMPTS = 3
+
+_TABLE_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+# --- the clock, per dialect --------------------------------------------------
+
+#: PostgreSQL: clock_timestamp() is the time at evaluation. now() and
+#: CURRENT_TIMESTAMP are the *transaction's* start and would stand still.
+POSTGRES_NOW_MS = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)"
+
+#: SQLite: julianday('now') is a REAL count of days that SQLite computes from
+#: integer milliseconds, and 'now' is the same for a whole sqlite3_step().
+#: 2440587.5 is the Unix epoch as a Julian day; ROUND undoes the float error
+#: so the result is the exact millisecond (never a text timestamp).
+SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+
+#: Option on connections that only read: SQLite then begins a deferred
+#: transaction instead of taking the write lock.
+_READ_ONLY_OPTION = "celery_leases_read_only"
+
+
+def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
+    """Define the lease table on ``metadata``.
+
+    Times are integer milliseconds on the database's clock.
+
+    Raises:
+        LeaseConfigurationError: ``table_name`` is not a plain identifier.
+    """
+    _check_table_name(table_name)
+    return sa.Table(
+        table_name,
+        metadata,
+        sa.Column("job_id", sa.String(255), primary_key=True),
+        sa.Column("owner", sa.String(255), nullable=False, server_default=""),
+        sa.Column("generation", sa.BigInteger, nullable=False),
+        sa.Column("lease_until", sa.BigInteger, nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("task_name", sa.String(255), nullable=False, server_default=""),
+        sa.Column("claimed_at", sa.BigInteger, nullable=True),
+        sa.Column("renewed_at", sa.BigInteger, nullable=True),
+        sa.Column("completed_at", sa.BigInteger, nullable=True),
+        sa.Column("renew_count", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("takeovers", sa.Integer, nullable=False, server_default="0"),
+        # purge_completed and records(state=...) filter on these
+        sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
+    )
+
+
+def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
+    """Create the lease table and its index unless they exist; safe to race.
+
+    Returns:
+        The table, bound to a fresh ``MetaData``.
+
+    Raises:
+        StoreUnavailable: the database could not be reached.
+        LeaseConfigurationError: the database is not PostgreSQL or SQLite.
+    """
+    dialect = _dialect_for(engine)
+    table = lease_table(sa.MetaData(), table_name)
+    try:
+        with engine.begin() as conn:
+            dialect.lock_for_ddl(conn, table_name)
+            table.metadata.create_all(conn, checkfirst=True)
+    except (exc.DBAPIError, exc.TimeoutError) as error:
+        raise StoreUnavailable(
+            f"could not create the lease table {table_name!r} in "
+            f"{_masked_url(engine)}: {_reason(error)}"
+        ) from error
+    return table
+
+
+# SqlStore's create_table flag shadows the function's name inside __init__
+_create_table = create_table
+
+
+# --- what differs between PostgreSQL and SQLite ------------------------------
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """Everything dialect-specific, in one place."""
+
+    name: str
+    #: SQL text of "now in integer milliseconds" on the database's clock
+    now_sql: str
+    #: the dialect's INSERT, which has on_conflict_do_update
+    insert: Callable[[sa.Table], Any]
+    #: turns the bound JSON text of a renew batch into rows
+    #: (job_id, owner, generation, ttl)
+    batch_rows: Callable[[sa.BindParameter[str]], FromClause]
+    #: execution options of connections that write / only read
+    write_options: Mapping[str, Any]
+    read_options: Mapping[str, Any]
+    #: serializes concurrent CREATE TABLE inside a transaction
+    lock_for_ddl: Callable[[Connection, str], None]
+
+    def now_ms(self) -> ColumnElement[int]:
+        """The database's clock in ms, as a column expression."""
+        return sa.literal_column(self.now_sql, sa.BigInteger)
+
+
+def _postgres_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
+    return (
+        sa.func.jsonb_to_recordset(sa.cast(batch, pg.JSONB))
+        .table_valued(
+            sa.column("job_id", sa.Text),
+            sa.column("owner", sa.Text),
+            sa.column("generation", sa.BigInteger),
+            sa.column("ttl", sa.BigInteger),
+        )
+        .render_derived(name="batch", with_types=True)
+    )
+
+
+def _sqlite_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
+    item = sa.func.json_each(batch).table_valued("value").alias("item")
+    return (
+        sa.select(
+            sa.func.json_extract(item.c.value, "$.job_id", type_=sa.String).label("job_id"),
+            sa.func.json_extract(item.c.value, "$.owner", type_=sa.String).label("owner"),
+            sa.func.json_extract(item.c.value, "$.generation", type_=sa.BigInteger).label(
+                "generation"
+            ),
+            sa.func.json_extract(item.c.value, "$.ttl", type_=sa.BigInteger).label("ttl"),
+        )
+        .select_from(item)
+        .subquery("batch")
+    )
+
+
+def _postgres_lock_for_ddl(conn: Connection, table_name: str) -> None:
+    # Two processes creating the table at once both pass checkfirst and one
+    # fails on the catalog's unique index; a transaction-scoped advisory
+    # lock on the table name makes them take turns.
+    conn.execute(
+        sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+        {"name": f"celery_leases:{table_name}"},
+    )
+
+
+def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
+    # BEGIN IMMEDIATE already holds the write lock: nothing else to take.
+    return None
+
+
+_POSTGRES = _Dialect(
+    name="postgresql",
+    now_sql=POSTGRES_NOW_MS,
+    insert=pg.insert,
+    batch_rows=_postgres_batch_rows,
+    write_options={"isolation_level": "AUTOCOMMIT"},
+    read_options={"isolation_level": "AUTOCOMMIT"},
+    lock_for_ddl=_postgres_lock_for_ddl,
+)
+
+_SQLITE = _Dialect(
+    name="sqlite",
+    now_sql=SQLITE_NOW_MS,
+    insert=sqlite_dialect.insert,
+    batch_rows=_sqlite_batch_rows,
+    write_options={},
+    read_options={_READ_ONLY_OPTION: True},
+    lock_for_ddl=_sqlite_lock_for_ddl,
+)
+
+
+def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # Let SQLAlchemy emit BEGIN itself (see _sqlite_on_begin): the driver's
+    # own BEGIN is deferred and is skipped before SELECT.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {round(SQLITE_BUSY_TIMEOUT * 1000)}")
+        # WAL: readers never block the writer and the writer never blocks readers.
+        cursor.execute("PRAGMA journal_mode = WAL")
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    # A deferred transaction that reads, then writes must upgrade its lock;
+    # if another process wrote in between, SQLite answers SQLITE_BUSY at once,
+    # without waiting on the busy timeout. BEGIN IMMEDIATE takes the write
+    # lock first (waiting on the timeout), so that cannot happen.
+    if conn.get_execution_options().get(_READ_ONLY_OPTION):
+        conn.exec_driver_sql("BEGIN")
+    else:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _prepare_sqlite_engine(engine: Engine) -> None:
+    if event.contains(engine, "begin", _sqlite_on_begin):
+        return
+    if engine.driver != "pysqlite":
+        raise LeaseConfigurationError(
+            f"the SQLite lease store needs the standard sqlite3 driver "
+            f"(sqlite:///path), not {engine.driver!r}"
+        )
+    if engine.url.database in (None, "", ":memory:") or "mode=memory" in str(engine.url):
+        raise LeaseConfigurationError(
+            "an in-memory SQLite database is private to one connection, so workers "
+            "cannot share it; use a file (sqlite:///path/to/leases.db) or memory://"
+        )
+    _check_sqlite_version(sqlite3.sqlite_version_info)
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
+    # connections made before the hooks existed would lack them
+    engine.dispose()
+
+
+def _check_sqlite_version(version: tuple[int, ...]) -> None:
+    if tuple(version) < MIN_SQLITE_VERSION:
+        have = ".".join(map(str, version))
+        need = ".".join(map(str, MIN_SQLITE_VERSION))
+        raise LeaseConfigurationError(
+            f"the SQLite lease store needs SQLite {need} or newer (for RETURNING); "
+            f"this Python links SQLite {have}. Use a newer Python build, or PostgreSQL."
+        )
+
+
+def _dialect_for(engine: Engine) -> _Dialect:
+    if engine.dialect.name == "postgresql":
+        return _POSTGRES
+    if engine.dialect.name == "sqlite":
+        _prepare_sqlite_engine(engine)
+        return _SQLITE
+    raise LeaseConfigurationError(
+        f"the SQL lease store supports PostgreSQL and SQLite, not {engine.dialect.name!r} "
+        f"({_masked_url(engine)})"
+    )
+
+
+def _check_table_name(table_name: object) -> None:
+    if not isinstance(table_name, str) or not _TABLE_NAME_PATTERN.fullmatch(table_name):
+        raise LeaseConfigurationError(
+            f"table_name must be letters, digits and underscores (at most 40, not "
+            f"starting with a digit), got {table_name!r}"
+        )
+
+
+def _masked_url(engine: Engine) -> str:
+    return engine.url.render_as_string(hide_password=True)
+
+
+def _reason(error: BaseException) -> str:
+    orig = getattr(error, "orig", None)
+    text = str(orig if orig is not None else error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# --- the store ---------------------------------------------------------------
+
+
+class SqlStore(LeaseStore):
+    """Lease store in one table of a PostgreSQL or SQLite database.
+
+    Args:
+        engine: a SQLAlchemy engine for PostgreSQL (psycopg 3) or SQLite
+            (a file, standard ``sqlite3`` driver). For SQLite the store
+            installs connection hooks on it (WAL, busy timeout, BEGIN
+            IMMEDIATE) and empties its pool once.
+        table_name: the lease table's name.
+        create_table: create the table (and index) if it is missing.
+
+    Raises:
+        LeaseConfigurationError: unsupported database or driver, SQLite too
+            old, in-memory SQLite, or a bad table name.
+        StoreUnavailable: creating the table failed.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        table_name: str = DEFAULT_TABLE_NAME,
+        create_table: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.url = _masked_url(engine)
+        self._dialect = _dialect_for(engine)
+        self.dialect_name = self._dialect.name
+        self.table = lease_table(sa.MetaData(), table_name)
+        self._owns_engine = False
+        self._writer = engine.execution_options(**self._dialect.write_options)
+        self._reader = engine.execution_options(**self._dialect.read_options)
+        if create_table:
+            _create_table(engine, table_name)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        table_name: str = DEFAULT_TABLE_NAME,
+        create_table: bool = True,
+        **engine_options: Any,
+    ) -> SqlStore:
+        """Open a store from a URL; the store disposes its engine on close.
+
+        ``postgresql://`` means psycopg 3 (``postgresql+psycopg://``), the
+        driver the ``postgres`` extra installs. Extra keyword arguments go to
+        :func:`sqlalchemy.create_engine`.
+
+        Raises:
+            LeaseConfigurationError: the URL cannot be parsed or is unsupported.
+        """
+        try:
+            parsed = sa.make_url(url)
+        except exc.ArgumentError as error:
+            raise LeaseConfigurationError(f"cannot parse the SQL URL {url!r}: {error}") from error
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        if parsed.get_backend_name() == "postgresql":
+            engine_options.setdefault("pool_pre_ping", True)
+        engine = sa.create_engine(parsed, **engine_options)
+        try:
+            store = cls(engine, table_name=table_name, create_table=create_table)
+        except BaseException:
+            engine.dispose()
+            raise
+        store._owns_engine = True
+        return store
+
+    def close(self) -> None:
+        """Dispose the engine's connections if this store created the engine."""
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"SqlStore({self.url!r}, table_name={self.table.name!r})"
+
+    # -- helpers ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(
+        self,
+        operation: str,
+        job_id: str | None = None,
+        owner: str | None = None,
+        generation: int | None = None,
+    ) -> Iterator[None]:
+        """Wrap driver errors of one operation in StoreUnavailable."""
+        try:
+            yield
+        except (exc.DBAPIError, exc.TimeoutError) as error:
+            about = f" of job {job_id!r}" if job_id is not None else ""
+            raise StoreUnavailable(
+                f"SQL lease store {self.url} (table {self.table.name!r}) failed "
+                f"during {operation}{about}: {_reason(error)}. Check that the "
+                "database is running and reachable; the outcome is unknown.",
+                job_id=job_id,
+                owner=owner,
+                generation=generation,
+            ) from error
+
+    def _now_row(self) -> FromClause:
+        """A one-row subquery ``n(now)``, so a statement reads the clock once."""
+        return sa.select(self._dialect.now_ms().label("now")).subquery("n")
+
+    def _now_once(self) -> ColumnElement[int]:
+        """The clock as ``(SELECT now FROM n)`` over a CTE, for UPDATEs.
+
+        PostgreSQL evaluates a CTE with a volatile function once, so every
+        use in the statement sees the same value (SQLite's 'now' is fixed
+        per statement anyway).
+        """
+        n = sa.select(self._dialect.now_ms().label("now")).cte("n")
+        return sa.select(n.c.now).scalar_subquery()
+
+    def _held_by(self, job_id: str, owner: str, generation: int) -> ColumnElement[bool]:
+        t = self.table.c
+        return sa.and_(
+            t.job_id == job_id,
+            t.owner == owner,
+            t.generation == generation,
+            t.state == LeaseState.HELD.value,
+        )
+
+    def _select_record(self, conn: Connection, job_id: str) -> LeaseRecord | None:
+        row = conn.execute(sa.select(self.table).where(self.table.c.job_id == job_id)).first()
+        return None if row is None else _record(row._mapping)
+
+    # -- fencing support ----------------------------------------------------
+
+    def lease_is_current_clause(
+        self, job_id: str, owner: str, generation: int
+    ) -> ColumnElement[bool]:
+        """A boolean SQL clause: ``owner`` holds ``job_id`` with ``generation``.
+
+        An ``EXISTS`` over the lease table, for use in the WHERE clause of a
+        write in the same transaction. True only while the record is held
+        (not released, not completed) by exactly that owner and generation.
+        It does not look at ``lease_until``: how time is judged is up to the
+        caller.
+        """
+        return sa.exists().where(self._held_by(job_id, owner, generation))
+
+    # -- hooks --------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        with self._guard("now_ms"), self._reader.connect() as conn:
+            return int(conn.execute(sa.select(self._dialect.now_ms())).scalar_one())
+
+    def _claim_statement(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> Any:
+        """INSERT ... SELECT ... ON CONFLICT (job_id) DO UPDATE ... RETURNING.
+
+        A new row gets generation = now. An existing row is taken over only
+        if it is released, or held with a lease that ran out; then its
+        generation goes up by one and a held one counts as a takeover. The
+        clock is read once, in ``n``; the DO UPDATE reads it back as
+        ``excluded.claimed_at``.
+        """
+        t = self.table
+        n = self._now_row()
+        held = LeaseState.HELD.value
+        source = (
+            sa.select(
+                sa.literal(job_id, sa.String),
+                sa.literal(owner, sa.String),
+                n.c.now,
+                n.c.now + ttl_ms,
+                sa.literal(held, sa.String),
+                sa.literal(task_name, sa.String),
+                n.c.now,
+                sa.literal(0, sa.Integer),
+                sa.literal(0, sa.Integer),
+            )
+            .select_from(n)
+            # SQLite reads "SELECT ... FROM n ON CONFLICT" as a join's ON
+            # unless the SELECT has a WHERE
+            .where(sa.true())
+        )
+        insert = self._dialect.insert(t).from_select(
+            [
+                "job_id",
+                "owner",
+                "generation",
+                "lease_until",
+                "state",
+                "task_name",
+                "claimed_at",
+                "renew_count",
+                "takeovers",
+            ],
+            source,
+        )
+        now = insert.excluded.claimed_at
+        return insert.on_conflict_do_update(
+            index_elements=[t.c.job_id],
+            set_={
+                "owner": insert.excluded.owner,
+                "generation": t.c.generation + 1,
+                "lease_until": insert.excluded.lease_until,
+                "state": held,
+                "task_name": insert.excluded.task_name,
+                "claimed_at": now,
+                "renewed_at": None,
+                "completed_at": None,
+                "renew_count": 0,
+                "takeovers": t.c.takeovers + sa.case((t.c.state == held, 1), else_=0),
+            },
+            where=sa.or_(
+                t.c.state == LeaseState.RELEASED.value,
+                sa.and_(t.c.state == held, t.c.lease_until <= now),
+            ),
+        ).returning(t.c.generation, t.c.lease_until, t.c.claimed_at, t.c.takeovers)
+
+    def _claim(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> ClaimResult:
+        statement = self._claim_statement(job_id, owner, ttl_ms, task_name)
+        n = self._now_row()
+        holder_query = (
+            sa.select(self.table, n.c.now)
+            .select_from(self.table)
+            .join(n, sa.true())
+            .where(self.table.c.job_id == job_id)
+        )
+        result: ClaimResult | None = None
+        with self._guard("claim", job_id, owner), self._writer.begin() as conn:
+            for _ in range(CLAIM_ATTEMPTS):
+                row = conn.execute(statement).first()
+                if row is not None:
+                    generation, lease_until, now, takeovers = row
+                    result = Acquired(job_id, owner, generation, lease_until, now, takeovers)
+                    break
+                found = conn.execute(holder_query).first()
+                if found is None:
+                    continue  # purged between the two statements: claim again
+                holder = _record(found._mapping)
+                now = int(found.now)
+                if holder.state is LeaseState.COMPLETED:
+                    result = AlreadyCompleted(job_id, holder.generation)
+                    break
+                remaining = (holder.lease_until_ms - now) / 1000
+                result = HeldElsewhere(job_id, holder.owner, holder.generation, max(0.0, remaining))
+                if holder.is_live(now):
+                    break
+                # released or run out since the claim looked: try again
+        # only now has the transaction committed (and the Acquired is real)
+        assert result is not None  # CLAIM_ATTEMPTS >= 1
+        return result
+
+    def _renew(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult:
+        t = self.table
+        now = self._now_once()
+        statement = (
+            sa.update(t)
+            .values(
+                lease_until=now + ttl_ms,
+                renewed_at=now,
+                renew_count=t.c.renew_count + 1,
+            )
+            .where(self._held_by(job_id, owner, generation))
+            .returning(t.c.lease_until, t.c.renewed_at)
+        )
+        with self._guard("renew", job_id, owner, generation), self._writer.begin() as conn:
+            row = conn.execute(statement).first()
+            if row is None:
+                return refusal_for(self._select_record(conn, job_id), job_id, owner, generation)
+        return Renewed(job_id, generation, row.lease_until, row.renewed_at)
+
+    def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        """One UPDATE ... FROM (the batch as JSON rows) ... RETURNING.
+
+        Refused requests cost one more SELECT of their records.
+        """
+        t = self.table
+        now = self._now_once()
+        batch_json = json.dumps(
+            [
+                {
+                    "job_id": r.job_id,
+                    "owner": r.owner,
+                    "generation": r.generation,
+                    "ttl": ttl_to_ms(r.ttl),
+                }
+                for r in requests
+            ]
+        )
+        batch = self._dialect.batch_rows(sa.bindparam("batch", batch_json, type_=sa.String))
+        statement = (
+            sa.update(t)
+            .values(
+                lease_until=now + batch.c.ttl,
+                renewed_at=now,
+                renew_count=t.c.renew_count + 1,
+            )
+            .where(
+                t.c.job_id == batch.c.job_id,
+                t.c.owner == batch.c.owner,
+                t.c.generation == batch.c.generation,
+                t.c.state == LeaseState.HELD.value,
+            )
+            .returning(t.c.job_id, t.c.owner, t.c.generation, t.c.lease_until, t.c.renewed_at)
+        )
+        with self._guard("renew_many"), self._writer.begin() as conn:
+            renewed = {
+                (row.job_id, row.owner, row.generation): Renewed(
+                    row.job_id, row.generation, row.lease_until, row.renewed_at
+                )
+                for row in conn.execute(statement)
+            }
+            refused = sorted(
+                {r.job_id for r in requests if (r.job_id, r.owner, r.generation) not in renewed}
+            )
+            current = self._select_records(conn, refused)
+        results: list[RenewResult] = []
+        for r in requests:
+            hit = renewed.get((r.job_id, r.owner, r.generation))
+            if hit is None:
+                results.append(refusal_for(current.get(r.job_id), r.job_id, r.owner, r.generation))
+            else:
+                results.append(hit)
+        return results
+
+    def _select_records(self, conn: Connection, job_ids: Sequence[str]) -> dict[str, LeaseRecord]:
+        """The records of ``job_ids`` (in chunks, to stay under bind limits)."""
+        found: dict[str, LeaseRecord] = {}
+        for start in range(0, len(job_ids), 1000):
+            chunk = job_ids[start : start + 1000]
+            query = sa.select(self.table).where(self.table.c.job_id.in_(chunk))
+            for row in conn.execute(query):
+                record = _record(row._mapping)
+                found[record.job_id] = record
+        return found
+
+    def _complete(self, job_id: str, owner: str, generation: int) -> CompleteResult:
+        statement = (
+            sa.update(self.table)
+            .values(state=LeaseState.COMPLETED.value, completed_at=self._dialect.now_ms())
+            .where(self._held_by(job_id, owner, generation))
+            .returning(self.table.c.job_id)
+        )
+        with self._guard("complete", job_id, owner, generation), self._writer.begin() as conn:
+            if conn.execute(statement).first() is None:
+                return refusal_for(self._select_record(conn, job_id), job_id, owner, generation)
+        return Completed(job_id, generation)
+
+    def _release(self, job_id: str, owner: str, generation: int) -> ReleaseResult:
+        statement = (
+            sa.update(self.table)
+            .values(state=LeaseState.RELEASED.value, owner="", lease_until=self._dialect.now_ms())
+            .where(self._held_by(job_id, owner, generation))
+            .returning(self.table.c.job_id)
+        )
+        with self._guard("release", job_id, owner, generation), self._writer.begin() as conn:
+            if conn.execute(statement).first() is None:
+                return refusal_for(self._select_record(conn, job_id), job_id, owner, generation)
+        return Released(job_id, generation)
+
+    def _get(self, job_id: str) -> LeaseRecord | None:
+        with self._guard("get", job_id), self._reader.connect() as conn:
+            return self._select_record(conn, job_id)
+
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord]:
+        """Pages of RECORDS_PAGE_SIZE rows by job_id, each its own query."""
+        t = self.table
+        after: str | None = None
+        while True:
+            query = sa.select(t).order_by(t.c.job_id).limit(RECORDS_PAGE_SIZE)
+            if state is not None:
+                query = query.where(t.c.state == state.value)
+            if after is not None:
+                query = query.where(t.c.job_id > after)
+            with self._guard("records"), self._reader.connect() as conn:
+                page = [_record(row._mapping) for row in conn.execute(query)]
+            yield from page
+            if len(page) < RECORDS_PAGE_SIZE:
+                return
+            after = page[-1].job_id
+
+    def _purge_completed(self, older_than_ms: int) -> int:
+        t = self.table
+        # one clock reading for the statement (an InitPlan in PostgreSQL)
+        now = sa.select(self._dialect.now_ms()).scalar_subquery()
+        statement = sa.delete(t).where(
+            t.c.state == LeaseState.COMPLETED.value,
+            t.c.completed_at.is_not(None),
+            t.c.completed_at <= now - older_than_ms,
+            # a record made again later starts at the clock then: above this
+            t.c.generation < now,
+        )
+        with self._guard("purge_completed"), self._writer.begin() as conn:
+            return int(conn.execute(statement).rowcount)
+
+
+def _record(row: RowMapping) -> LeaseRecord:
+    return LeaseRecord(
+        job_id=row["job_id"],
+        owner=row["owner"],
+        generation=int(row["generation"]),
+        lease_until_ms=int(row["lease_until"]),
+        state=LeaseState(row["state"]),
+        task_name=row["task_name"],
+        claimed_at_ms=row["claimed_at"],
+        renewed_at_ms=row["renewed_at"],
+        completed_at_ms=row["completed_at"],
+        renew_count=int(row["renew_count"]),
+        takeovers=int(row["takeovers"]),
+    )
