@@ -18,7 +18,7 @@ import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -209,13 +209,15 @@ def mask_url(url: str) -> str:
     netloc = parts.netloc
     if parts.password is not None:
         userinfo, _, hostinfo = netloc.rpartition("@")
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostinfo}"
-    query = parts.query
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostinfo}"
+    query = "&".join(
+        f"{name}=***" if name.lower() == "password" else f"{name}={value}"
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    masked = f"{parts.scheme}://{netloc}{parts.path}"
     if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs])
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        masked += f"?{query}"
+    return masked
 
 
 def _describe(client: redis.Redis) -> str:
