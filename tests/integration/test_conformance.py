@@ -67,6 +67,12 @@ def _rewrite(store: LeaseStore, job_id: str, **fields: int) -> None:
         renamed = {name.removesuffix("_ms"): value for name, value in fields.items()}
         store._client.hset(store.key(job_id), mapping=renamed)  # type: ignore[attr-defined]
         return
+    if type(store).__name__ == "SqlStore":
+        table = store.table  # type: ignore[attr-defined]
+        renamed = {name.removesuffix("_ms"): value for name, value in fields.items()}
+        with store.engine.begin() as conn:  # type: ignore[attr-defined]
+            conn.execute(table.update().where(table.c.job_id == job_id).values(**renamed))
+        return
     raise AssertionError(f"no way to edit records of {type(store).__name__} in this test")
 
 
