@@ -163,6 +163,23 @@ def test_open_store_gives_a_redis_store_with_masked_url(redis_server: RedisServe
         store.close()
 
 
+def test_store_over_a_client_that_decodes_responses(redis_server: RedisServer, unique: str) -> None:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    with RedisStore(client, prefix=f"t{unique}:") as store:
+        assert store.url == redis_server.url
+        acquired = store.claim("job-a", "worker-a", 30)
+        assert isinstance(acquired, Acquired)
+        refused = store.renew("job-a", "worker-b", acquired.generation, 30)
+        assert isinstance(refused, Refusal)
+        assert refused.current_owner == "worker-a"
+        [result] = store.renew_many([RenewRequest("job-a", "worker-a", acquired.generation, 30)])
+        assert isinstance(result, Renewed)
+        record = store.get("job-a")
+        assert record is not None
+        assert (record.owner, record.renew_count) == ("worker-a", 1)
+        assert [r.job_id for r in store.records()] == ["job-a"]
+
+
 def test_mask_url_hides_passwords_in_netloc_and_query() -> None:
     assert mask_url("redis://user:pw@h:6379/1") == "redis://user:***@h:6379/1"
     assert mask_url("unix:///run/redis.sock?db=2&password=pw") == (
