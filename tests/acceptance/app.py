@@ -1,0 +1,232 @@
+"""The Celery app and the tasks that acceptance-test workers run.
+
+A worker started with ``celery -A tests.acceptance.app worker`` reads its
+configuration from ``LEASES_TEST_*`` environment variables (see
+:func:`config_from_env`); the test process builds a client app on the same
+broker with :func:`make_app`.
+
+Tasks report what they did through a side channel, a Redis database on the
+broker server (``LEASES_TEST_SIDE``), since the result backend only ever shows
+the accepted run:
+
+- ``side:events`` is a list of JSON events (``start``, ``done``, ``lost``,
+  ``attempt``) with the job id, worker name, pid, generation and wall time;
+- ``side:done:<job_id>`` counts bodies that reached their last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+from celery_leases import LeasedTask, LeaseLost
+
+__all__ = ["AcceptanceConfig", "app", "config_from_env", "make_app"]
+
+#: names of the tasks below, as the test process sends them
+STEPS = "acceptance.steps"
+WATCH = "acceptance.watch"
+FAIL = "acceptance.fail"
+RETRY_ONCE = "acceptance.retry_once"
+PLAIN_STEPS = "acceptance.plain_steps"
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    """Everything a worker (or the client in the test) needs to know.
+
+    Args:
+        broker: broker URL (Redis).
+        backend: result backend URL.
+        side: Redis URL of the side channel the tasks write events to.
+        queue: the only queue this test's workers consume and tasks go to.
+        store: lease store URL.
+        store_options: options for the store (prefix, table_name).
+        ttl: lease TTL in seconds.
+        renew_interval: heartbeat interval, or None for the default (ttl/3).
+        on_lost: what a worker does when a lease is lost.
+        visibility_timeout: seconds before the broker hands an unacked
+            message to another worker.
+        soft_shutdown: seconds a warm shutdown waits for running tasks
+            before it stops them (0: wait until they finish).
+    """
+
+    broker: str
+    backend: str
+    side: str
+    queue: str
+    store: str = "memory://"
+    store_options: dict[str, Any] = field(default_factory=dict)
+    ttl: float = 3.0
+    renew_interval: float | None = None
+    on_lost: str = "flag"
+    visibility_timeout: float = 3600.0
+    soft_shutdown: float = 0.0
+
+    def to_env(self) -> dict[str, str]:
+        """This configuration as the environment variables a worker reads."""
+        env = {
+            "LEASES_TEST_BROKER": self.broker,
+            "LEASES_TEST_BACKEND": self.backend,
+            "LEASES_TEST_SIDE": self.side,
+            "LEASES_TEST_QUEUE": self.queue,
+            "LEASES_TEST_STORE": self.store,
+            "LEASES_TEST_STORE_OPTIONS": json.dumps(self.store_options),
+            "LEASES_TEST_TTL": str(self.ttl),
+            "LEASES_TEST_ON_LOST": self.on_lost,
+            "LEASES_TEST_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
+            "LEASES_TEST_SOFT_SHUTDOWN": str(self.soft_shutdown),
+        }
+        if self.renew_interval is not None:
+            env["LEASES_TEST_RENEW_INTERVAL"] = str(self.renew_interval)
+        return env
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
+    """Read an :class:`AcceptanceConfig` from ``LEASES_TEST_*`` variables.
+
+    Without them (the module imported outside a test worker), the defaults
+    point at a local Redis and the memory store, so importing never fails.
+    """
+    env = os.environ if environ is None else environ
+    broker = env.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/0")
+    renew = env.get("LEASES_TEST_RENEW_INTERVAL")
+    return AcceptanceConfig(
+        broker=broker,
+        backend=env.get("LEASES_TEST_BACKEND", broker),
+        side=env.get("LEASES_TEST_SIDE", broker),
+        queue=env.get("LEASES_TEST_QUEUE", "acceptance"),
+        store=env.get("LEASES_TEST_STORE", "memory://"),
+        store_options=json.loads(env.get("LEASES_TEST_STORE_OPTIONS", "{}")),
+        ttl=float(env.get("LEASES_TEST_TTL", "3")),
+        renew_interval=float(renew) if renew else None,
+        on_lost=env.get("LEASES_TEST_ON_LOST", "flag"),
+        visibility_timeout=float(env.get("LEASES_TEST_VISIBILITY_TIMEOUT", "3600")),
+        soft_shutdown=float(env.get("LEASES_TEST_SOFT_SHUTDOWN", "0")),
+    )
+
+
+def make_app(config: AcceptanceConfig) -> Celery:
+    """A Celery app on ``config``'s broker, backend and lease store."""
+    celery_app = Celery("acceptance", broker=config.broker, backend=config.backend)
+    celery_app.conf.update(
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=config.queue,
+        task_track_started=True,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": config.visibility_timeout,
+            # kombu sweeps unacked messages every interval * throttle seconds
+            # (100 s by default): make a short visibility timeout take effect
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+        worker_soft_shutdown_timeout=config.soft_shutdown,
+        leases_store=config.store,
+        leases_store_options=config.store_options,
+        leases_ttl=config.ttl,
+        leases_on_lost=config.on_lost,
+    )
+    if config.renew_interval is not None:
+        celery_app.conf.leases_renew_interval = config.renew_interval
+    _register_tasks(celery_app, config)
+    return celery_app
+
+
+_side_clients: dict[tuple[int, str], redis.Redis] = {}
+
+
+def side_channel(url: str) -> redis.Redis:
+    """A Redis client for the side channel, one per process (fork-safe)."""
+    key = (os.getpid(), url)
+    if key not in _side_clients:
+        _side_clients[key] = redis.Redis.from_url(url)
+    return _side_clients[key]
+
+
+def _event(config: AcceptanceConfig, task: Task, kind: str, **fields: Any) -> None:
+    lease = getattr(task, "lease", None)
+    record = {
+        "event": kind,
+        "job": task.request.id,
+        "worker": task.request.hostname,
+        "pid": os.getpid(),
+        "generation": getattr(lease, "generation", None),
+        "at": time.time(),
+        **fields,
+    }
+    side_channel(config.side).rpush("side:events", json.dumps(record))
+
+
+def _sleep_steps(seconds: float, step: float) -> None:
+    # time.monotonic, so a worker frozen past the end finishes at once on resume
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(step, max(deadline - time.monotonic(), 0.0)))
+
+
+def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=STEPS)
+    def steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:
+        """Sleep in small steps, then report who ran it with which token."""
+        _event(config, self, "start")
+        _sleep_steps(seconds, step)
+        side_channel(config.side).incr(f"side:done:{self.request.id}")
+        _event(config, self, "done")
+        return {"worker": self.request.hostname, "generation": self.lease.generation}
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=WATCH)
+    def watch(self: Any, seconds: float, step: float = 0.02) -> None:
+        """Poll ``lease.check()``; record the last local deadline and LeaseLost.
+
+        The ``ok`` events carry ``deadline`` = wall time + ``remaining()``,
+        the local deadline as the lease saw it at that moment.
+        """
+        _event(config, self, "start")
+        end = time.monotonic() + seconds
+        last_ok = 0.0
+        while time.monotonic() < end:
+            try:
+                self.lease.check()
+            except LeaseLost as exc:
+                _event(config, self, "lost", reason=exc.reason)
+                raise
+            now = time.time()
+            if now - last_ok >= 0.1:
+                _event(config, self, "ok", deadline=now + self.lease.remaining())
+                last_ok = now
+            time.sleep(step)
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=FAIL)
+    def fail(self: Any, seconds: float = 0.2) -> None:
+        """Run a little, then fail."""
+        _event(config, self, "start")
+        _sleep_steps(seconds, 0.05)
+        raise ValueError("this task always fails")
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=RETRY_ONCE)
+    def retry_once(self: Any, countdown: float = 2.0) -> int:
+        """Retry once with ``countdown``; the second attempt returns its token."""
+        _event(config, self, "attempt", retries=self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown, max_retries=1)
+        return int(self.lease.generation)
+
+    @celery_app.task(bind=True, shared=False, name=PLAIN_STEPS)
+    def plain_steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:
+        """The same body as ``steps`` without a lease (harness checks)."""
+        _event(config, self, "start")
+        _sleep_steps(seconds, step)
+        side_channel(config.side).incr(f"side:done:{self.request.id}")
+        _event(config, self, "done")
+        return {"worker": self.request.hostname}
+
+
+app = make_app(config_from_env())

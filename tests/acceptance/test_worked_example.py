@@ -1,0 +1,56 @@
+"""The protocol's worked example with real workers, on every store.
+
+Timeline (TTL 2 s, broker visibility timeout 3 s)::
+
+    t=0     A receives the job, claims generation g, starts the body
+    t~0.1   A is frozen (SIGSTOP of its whole process group)
+    t~2.1   A's lease runs out in the store
+    t~3-4   the broker hands the unacked message to B; B claims g+1
+    t~5     B completes: the store accepts, the backend stores B's result
+    later   A is resumed; its body ends; its completion with g is refused:
+            A logs "fenced out" and writes nothing to the result backend
+"""
+
+from __future__ import annotations
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_leases import LeaseState
+from tests.acceptance.app import STEPS
+from tests.acceptance.conftest import Cluster
+
+
+@pytest.mark.parametrize("lease_store_target", ["redis", "postgres", "sqlite"], indirect=True)
+def test_paused_worker_is_fenced_out_and_successor_result_stands(cluster: Cluster) -> None:
+    cluster.configure(visibility_timeout=3.0)
+    worker_a = cluster.worker("a")
+    result = cluster.send(STEPS, 1.5)
+    (started,) = cluster.side.wait_event(result.id, "start", timeout=30)
+    generation_a = started["generation"]
+    assert isinstance(generation_a, int)
+    worker_a.freeze()
+
+    worker_b = cluster.worker("b")
+    record = cluster.wait_record(
+        result.id, state=LeaseState.COMPLETED, timeout=40, message="B's completion"
+    )
+    assert record.generation == generation_a + 1
+    value = result.get(timeout=20)
+    assert value["generation"] == generation_a + 1
+    assert value["worker"].startswith(f"{worker_b.name}@")
+
+    worker_a.thaw()
+    worker_a.wait_for_log(r"fenced out", timeout=30)
+    # A's body did run to its end: only the completion was refused
+    assert cluster.side.done_count(result.id) == 2
+
+    stored = AsyncResult(result.id, app=cluster.new_app())
+    assert stored.state == "SUCCESS"
+    assert stored.get(timeout=10) == value
+    final = cluster.record(result.id)
+    assert final is not None
+    assert final.state is LeaseState.COMPLETED
+    assert final.generation == generation_a + 1
+    assert final.owner == record.owner
+    assert [r.job_id for r in cluster.store.records()].count(result.id) == 1
