@@ -14,7 +14,10 @@ from celery_leases.errors import (
     LeaseLost,
     StaleFencingToken,
     StoreUnavailable,
+    TakeoverLimitExceeded,
 )
+from celery_leases.lease import Lease
+from celery_leases.settings import LeaseSettings, LeaseTiming
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import (
     Acquired,
@@ -30,10 +33,18 @@ from celery_leases.stores.base import (
     Renewed,
     RenewRequest,
 )
+from celery_leases.task import LeasedTask
+from celery_leases.worker import install
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # tasks
+    "LeasedTask",
+    "Lease",
+    "LeaseSettings",
+    "LeaseTiming",
+    "install",
     # stores
     "LeaseStore",
     "open_store",
@@ -57,4 +68,5 @@ __all__ = [
     "LeaseLost",
     "StaleFencingToken",
     "StoreUnavailable",
+    "TakeoverLimitExceeded",
 ]

@@ -120,3 +120,34 @@ class StoreUnavailable(LeaseError):
 
 class LeaseConfigurationError(LeaseError):
     """The configuration is wrong; the message says what to change."""
+
+
+class TakeoverLimitExceeded(LeaseError):
+    """The job took over a run-out lease more often than allowed.
+
+    Each takeover means the previous holder died or stalled while running
+    the job; past the limit the job is treated as poison (it kills every
+    worker that runs it): its body is not run again and it is recorded as
+    failed.
+
+    Attributes:
+        takeovers: takeovers counted by the store, this claim included.
+        limit: the configured ``lease_max_takeovers``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        job_id: str,
+        owner: str,
+        generation: int,
+        takeovers: int,
+        limit: int,
+    ) -> None:
+        super().__init__(message, job_id=job_id, owner=owner, generation=generation)
+        self.takeovers = takeovers
+        self.limit = limit
+
+
+__all__ += ["TakeoverLimitExceeded"]

@@ -1,0 +1,313 @@
+"""The lease a running task holds, as task code sees it (``self.lease``).
+
+A :class:`Lease` keeps two clocks apart. ``lease_until`` is when the
+store will let another worker claim the job, on the **store's** clock. The
+local safe deadline is on this process's ``time.monotonic()``, counted from
+*before* the claim or renewal was sent, minus the drift margin; past it the
+lease counts as lost even if the store has not noticed yet::
+
+    t0 = monotonic()   claim sent ........ reply      deadline = t0 + ttl - margin
+    store: ................ now_s  ...................... now_s + ttl (lease_until)
+
+The heartbeat moves the deadline forward after each renewal; a refused
+renewal or a passed deadline makes the lease lost for good.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.settings import LeaseTiming
+from celery_leases.stores.base import LeaseStore, Refusal, Renewed, ms_to_datetime
+
+__all__ = ["Lease", "make_owner"]
+
+logger = logging.getLogger("celery_leases")
+
+Clock = Callable[[], float]
+
+
+def make_owner() -> str:
+    """A new owner token: host, pid and a random part.
+
+    Made per claim, never at import: forked pool children would share a
+    token made before the fork, and a stale child would pass the owner check.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+
+
+class Lease:
+    """A claimed lease on one job, with its fencing token.
+
+    Args:
+        job_id: the job key in the store.
+        owner: the owner token used for the claim.
+        generation: the fencing token the claim returned.
+        lease_until_ms: the store's ``lease_until`` (store milliseconds).
+        started_at: ``clock()`` read before the claim was sent.
+        store: the store the lease lives in (for renewals).
+        timing: TTL, renew interval and drift margin of the task.
+        task_name: the task's name, for messages.
+        on_lost: called once (in the thread that noticed) when the lease is lost.
+        clock: the local monotonic clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        owner: str,
+        generation: int,
+        lease_until_ms: int,
+        started_at: float,
+        store: LeaseStore,
+        timing: LeaseTiming,
+        task_name: str = "",
+        on_lost: Callable[[Lease], None] | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.job_id = job_id
+        self.owner = owner
+        self.generation = generation
+        self.store = store
+        self.timing = timing
+        self.task_name = task_name
+        self._clock = clock
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._lease_until_ms = lease_until_ms
+        self._deadline = started_at + timing.safe_duration
+        self._lost: LeaseLost | None = None
+        #: when the heartbeat should renew next (local monotonic clock)
+        self.next_renew_at = started_at + timing.renew_interval
+        self._thread_id = threading.get_ident()
+        self._in_body = False
+        self._interrupted = False
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else f"{self.remaining():.1f}s left"
+        return f"<Lease {self.job_id!r} generation={self.generation} {state}>"
+
+    # -- what task code reads ----------------------------------------------
+
+    @property
+    def lease_until(self) -> datetime:
+        """When the store lets another worker claim the job (aware UTC, store clock)."""
+        return ms_to_datetime(self._lease_until_ms)
+
+    @property
+    def deadline(self) -> float:
+        """The local safe deadline, on the monotonic clock."""
+        return self._deadline
+
+    @property
+    def idempotency_key(self) -> str:
+        """``"{job_id}:{generation}"``: names this run to fenced targets."""
+        return f"{self.job_id}:{self.generation}"
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease is lost (refused renewal or passed deadline)."""
+        return self._lost is not None
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lease was lost (a ``RefusalReason`` value, ``"deadline"``, ...)."""
+        return None if self._lost is None else self._lost.reason
+
+    def remaining(self) -> float:
+        """Seconds left before the local safe deadline (0 once lost)."""
+        if self._lost is not None:
+            return 0.0
+        return max(0.0, self._deadline - self._clock())
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if the lease is lost or past its deadline."""
+        if self._lost is None and self._clock() >= self._deadline:
+            self.mark_lost(self._deadline_error())
+        if self._lost is not None:
+            raise self._error_copy(self._lost)
+
+    def ensure(self, min_remaining: float) -> None:
+        """Renew now if less than ``min_remaining`` seconds are left.
+
+        Use it before a step that must not be cut off (for example one
+        external call that takes up to ``min_remaining`` seconds).
+
+        Raises:
+            LeaseLost: the lease is lost, the renewal was refused, or the
+                store could not be reached (then ``reason`` is
+                ``"unavailable"`` and the lease itself may still be held).
+            LeaseConfigurationError: ``min_remaining`` is more than a
+                renewal can ever give (the ttl minus the drift margin).
+        """
+        if min_remaining >= self.timing.safe_duration:
+            raise LeaseConfigurationError(
+                f"ensure({min_remaining:g}) asks for more than a renewal gives "
+                f"({self.timing.safe_duration:g} s = ttl - drift margin): raise the "
+                "task's lease_ttl or ask for less",
+                job_id=self.job_id,
+                owner=self.owner,
+                generation=self.generation,
+            )
+        self.check()
+        if self.remaining() >= min_remaining:
+            return
+        started = self._clock()
+        try:
+            result = self.store.renew(self.job_id, self.owner, self.generation, self.timing.ttl)
+        except StoreUnavailable as exc:
+            raise LeaseLost(
+                f"could not renew the lease on job {self.job_id!r} (generation "
+                f"{self.generation}) to secure {min_remaining:g} s: the lease store is "
+                "unavailable; stop before the next external effect",
+                job_id=self.job_id,
+                owner=self.owner,
+                generation=self.generation,
+                reason="unavailable",
+            ) from exc
+        self.apply_renewal(started, result)
+        self.check()
+
+    # -- what the heartbeat and the task runner use -------------------------
+
+    def apply_renewal(self, started_at: float, result: Renewed | Refusal) -> None:
+        """Record a renewal sent at ``started_at``; a refusal makes the lease lost."""
+        if isinstance(result, Refusal):
+            self.mark_lost(result.error("renew"))
+            return
+        with self._lock:
+            if self._lost is not None:
+                return
+            self._deadline = max(self._deadline, started_at + self.timing.safe_duration)
+            self._lease_until_ms = max(self._lease_until_ms, result.lease_until_ms)
+            self.next_renew_at = started_at + self.timing.renew_interval
+
+    def expire_if_due(self) -> bool:
+        """Mark the lease lost if its deadline has passed; returns ``lost``."""
+        if self._lost is None and self._clock() >= self._deadline:
+            self.mark_lost(self._deadline_error())
+        return self.lost
+
+    def mark_lost(self, error: LeaseLost) -> bool:
+        """Make the lease lost with ``error``; only the first call notifies.
+
+        Returns:
+            True if this call made the lease lost.
+        """
+        with self._lock:
+            if self._lost is not None:
+                return False
+            self._lost = error
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                logger.exception("lost-lease handler for job %r failed", self.job_id)
+        return True
+
+    @property
+    def loss(self) -> LeaseLost | None:
+        """The error that made the lease lost, if it is."""
+        return self._lost
+
+    @property
+    def in_body(self) -> bool:
+        """Whether the task body is running now."""
+        return self._in_body
+
+    def enter_body(self) -> None:
+        """Note that the task body starts running in this thread."""
+        with self._lock:
+            self._thread_id = threading.get_ident()
+            self._in_body = True
+
+    def leave_body(self) -> None:
+        """Note that the body ended; cancels an interrupt not yet delivered.
+
+        An interrupt lands at most once, possibly inside this very call, so
+        callers call it again if it raised :class:`LeaseLost`.
+        """
+        with self._lock:
+            self._in_body = False
+            if self._interrupted:
+                # a NULL exception clears one that is still pending
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread_id), None)
+
+    def interrupt(self) -> bool:
+        """Raise :class:`LeaseLost` asynchronously in the body's thread.
+
+        It lands at the next bytecode boundary of that thread, not inside a
+        blocking C call (a socket read, ``time.sleep``): it waits until that
+        call returns. Never sent twice, never outside the body, never to the
+        calling thread.
+
+        Returns:
+            True if the interrupt was scheduled.
+        """
+        error = self._lost
+        if error is None:
+            return False
+        with self._lock:
+            if not self._in_body or self._interrupted or self._thread_id == threading.get_ident():
+                return False
+            self._interrupted = True
+            interrupt_type = _interrupt_type(error)
+            count = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self._thread_id), ctypes.py_object(interrupt_type)
+            )
+            return bool(count == 1)
+
+    # -- helpers -------------------------------------------------------------
+
+    def _deadline_error(self) -> LeaseLost:
+        return LeaseLost(
+            f"the lease on job {self.job_id!r} (generation {self.generation}) passed its "
+            "local safe deadline without a renewal; another worker may hold the job now, "
+            "so stop producing effects",
+            job_id=self.job_id,
+            owner=self.owner,
+            generation=self.generation,
+            reason="deadline",
+        )
+
+    @staticmethod
+    def _error_copy(error: LeaseLost) -> LeaseLost:
+        copy = LeaseLost(
+            str(error),
+            job_id=error.job_id or "",
+            owner=error.owner,
+            generation=error.generation,
+            reason=error.reason,
+        )
+        copy.__cause__ = error.__cause__
+        return copy
+
+
+def _interrupt_type(error: LeaseLost) -> type[LeaseLost]:
+    """A LeaseLost subclass that builds ``error``'s twin with no arguments.
+
+    CPython instantiates an asynchronous exception class without arguments,
+    and LeaseLost needs its job fields.
+    """
+
+    class LeaseLostInterrupt(LeaseLost):
+        def __init__(self) -> None:
+            super().__init__(
+                str(error),
+                job_id=error.job_id or "",
+                owner=error.owner,
+                generation=error.generation,
+                reason=error.reason,
+            )
+
+    return LeaseLostInterrupt

@@ -1,0 +1,218 @@
+"""Worker integration: CLI options, a bootstep that checks the setup, shutdown.
+
+:func:`install` runs when a :class:`~celery_leases.task.LeasedTask` is
+first bound to an app, so users need not call it, except for one thing:
+``celery worker`` reads extra CLI options right after importing the app,
+before tasks are bound. To use ``--leases-store`` / ``--leases-ttl``, call
+``celery_leases.install(app)`` in the module that creates the app.
+
+At worker start the bootstep applies those options to ``app.conf`` and
+checks every leased task; a mistake stops the worker with a
+:class:`~celery_leases.errors.LeaseConfigurationError` saying what to change.
+
+On shutdown (``worker_shutdown`` in the main process, after the pool has
+stopped, and ``worker_process_shutdown`` in each prefork child) the leases
+this process still holds are marked lost and released, and the heartbeat
+is stopped. A warm shutdown lets running tasks finish first, so normally
+nothing is held by then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any
+
+from celery import bootsteps
+from celery.bin.base import CeleryOption
+from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+
+from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.stores.base import Released
+
+__all__ = ["LeasesStep", "check_app", "in_prefork_child", "install", "release_held_leases"]
+
+logger = logging.getLogger("celery_leases")
+
+#: transports that redeliver an unacked message after ``visibility_timeout``
+_VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs", "sentinel")
+
+_installed: weakref.WeakSet[Any] = weakref.WeakSet()
+_prefork_child_pid: int | None = None
+
+
+def install(app: Any) -> None:
+    """Add the CLI options and the bootstep to ``app``; idempotent per app."""
+    if app in _installed:
+        return
+    _installed.add(app)
+    app.user_options["worker"].add(
+        CeleryOption(
+            ["--leases-store"],
+            default=None,
+            help="Lease store URL (overrides the leases_store setting).",
+            help_group="Lease Options",
+        )
+    )
+    app.user_options["worker"].add(
+        CeleryOption(
+            ["--leases-ttl"],
+            type=float,
+            default=None,
+            help="Lease time in seconds (overrides the leases_ttl setting).",
+            help_group="Lease Options",
+        )
+    )
+    app.steps["worker"].add(LeasesStep)
+    worker_process_init.connect(_on_process_init, weak=False, dispatch_uid="celery_leases.init")
+    worker_process_shutdown.connect(
+        _on_shutdown, weak=False, dispatch_uid="celery_leases.process_shutdown"
+    )
+    worker_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="celery_leases.shutdown")
+
+
+def in_prefork_child() -> bool:
+    """Whether this process is a prefork pool child (stopping it is safe)."""
+    return _prefork_child_pid == os.getpid()
+
+
+def _on_process_init(**_: Any) -> None:
+    global _prefork_child_pid
+    _prefork_child_pid = os.getpid()
+
+
+def _on_shutdown(**_: Any) -> None:
+    release_held_leases("shutdown")
+
+
+def release_held_leases(reason: str = "shutdown") -> int:
+    """Mark lost and release every lease this process still holds; stop the heartbeat.
+
+    Returns:
+        How many leases were released in the store.
+    """
+    from celery_leases.heartbeat import process_heartbeat
+
+    heartbeat = process_heartbeat()
+    released = 0
+    for lease in heartbeat.held():
+        heartbeat.remove(lease)
+        lease.mark_lost(
+            LeaseLost(
+                f"the worker is shutting down while job {lease.job_id!r} (generation "
+                f"{lease.generation}) still runs; its lease is released",
+                job_id=lease.job_id,
+                owner=lease.owner,
+                generation=lease.generation,
+                reason=reason,
+            )
+        )
+        try:
+            result = lease.store.release(lease.job_id, lease.owner, lease.generation)
+        except StoreUnavailable as exc:
+            logger.warning("could not release job %r on %s: %s", lease.job_id, reason, exc)
+            continue
+        released += isinstance(result, Released)
+    heartbeat.stop()
+    return released
+
+
+class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints
+    """Worker bootstep: apply the CLI options, then check the lease setup.
+
+    Raises:
+        LeaseConfigurationError: from worker construction, when the setup is wrong.
+    """
+
+    label = "Leases"
+
+    def __init__(
+        self,
+        parent: Any,
+        leases_store: str | None = None,
+        leases_ttl: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(parent, **kwargs)
+        from celery_leases.task import forget_runtime
+
+        app = parent.app
+        if leases_store is not None:
+            app.conf.leases_store = leases_store
+        if leases_ttl is not None:
+            app.conf.leases_ttl = leases_ttl
+        forget_runtime(app)
+        pool = str(getattr(parent, "pool_cls", "") or kwargs.get("pool", "") or "")
+        for warning in check_app(app, pool=pool):
+            logger.warning(warning)
+
+
+def check_app(app: Any, *, pool: str = "") -> list[str]:
+    """Check the lease settings and every leased task of ``app``.
+
+    Args:
+        pool: the pool class name or alias, when known (for the ``stop`` check).
+
+    Returns:
+        Warnings worth logging.
+
+    Raises:
+        LeaseConfigurationError: a setting or a task cannot work; the message
+            says what to change.
+    """
+    from celery_leases.task import LeasedTask, settings_for
+
+    settings_for(app)
+    warnings: list[str] = []
+    visibility = _visibility_timeout(app)
+    prefork = pool == "" or "prefork" in pool.lower()
+    for task in list(app.tasks.values()):
+        if not isinstance(task, LeasedTask):
+            continue
+        if not task.acks_late:
+            raise LeaseConfigurationError(
+                f"task {task.name!r} is leased but has acks_late=False: a worker lost mid-run "
+                "would drop the job. Remove acks_late=False from the task (and check "
+                "task_acks_late), or do not use LeasedTask for it"
+            )
+        timing = task.lease_timing()
+        mode = task.lease_on_lost_mode()
+        task.lease_takeover_limit()
+        key = type(task).lease_key
+        if key is not None and not isinstance(key, str) and not callable(key):
+            raise LeaseConfigurationError(
+                f"lease_key of task {task.name!r} must be None, a format string or a "
+                f"callable, got {key!r}"
+            )
+        if visibility is not None and visibility < timing.ttl:
+            warnings.append(
+                f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
+                f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
+                "again and deferred over and over; raise broker_transport_options"
+                "['visibility_timeout'] well above your longest run"
+            )
+        if not task.reject_on_worker_lost:
+            warnings.append(
+                f"task {task.name!r} has reject_on_worker_lost=False: when a worker is "
+                "killed mid-run its message is acknowledged and the job is lost"
+            )
+        if mode == "stop" and not prefork:
+            warnings.append(
+                f"task {task.name!r} uses lease_on_lost='stop' with the {pool} pool: a lost "
+                "lease raises LeaseLost in the task instead (only prefork children can be "
+                "stopped alone)"
+            )
+    return warnings
+
+
+def _visibility_timeout(app: Any) -> float | None:
+    url = str(app.conf.broker_url or "")
+    if url.split("://", 1)[0].lower() not in _VISIBILITY_TRANSPORTS:
+        return None
+    options = app.conf.broker_transport_options or {}
+    value = options.get("visibility_timeout", 3600)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
