@@ -353,9 +353,12 @@ class RedisStore(LeaseStore):
 
     @contextlib.contextmanager
     def _errors(self, operation: str, job_id: str | None = None) -> Iterator[None]:
-        """Wrap driver errors of ``operation`` in :class:`StoreUnavailable`."""
-        if self._config_pending:
-            self._check_config()
+        """Wrap driver errors of ``operation`` in :class:`StoreUnavailable`.
+
+        A configuration check deferred at open runs after the first
+        operation that reached the server, so a server that is down costs
+        one failed connection per operation, not two.
+        """
         try:
             yield
         except (RedisError, OSError) as exc:
@@ -366,6 +369,17 @@ class RedisStore(LeaseStore):
                 "reachable; the outcome of this operation is unknown to the caller.",
                 job_id=job_id,
             ) from exc
+        except (KeyError, ValueError, IndexError) as exc:
+            # a record written by something else under our prefix, or a reply
+            # from a server that is not Redis-compatible enough
+            raise StoreUnavailable(
+                f"the Redis lease store at {self.url} returned data it cannot read during "
+                f"{operation}" + (f" of job {job_id!r}" if job_id else "") + f" ({exc!r}). "
+                f"Check that nothing else writes keys under the prefix {self.prefix!r}.",
+                job_id=job_id,
+            ) from exc
+        if self._config_pending:
+            self._check_config()
 
     def _check_config(self) -> None:
         """Warn when the server can lose lease records; see :class:`RedisStore`."""

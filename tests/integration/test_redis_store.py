@@ -440,6 +440,14 @@ def test_every_operation_raises_store_unavailable_when_redis_is_down(
         assert isinstance(store.renew("job-a", "worker-a", held.generation, 60), Renewed)
 
 
+def test_unreadable_record_raises_store_unavailable(
+    redis_store: RedisStore, raw: redis.Redis
+) -> None:
+    raw.hset(redis_store.key("job-a"), mapping={"generation": "12", "state": "paused"})
+    with pytest.raises(StoreUnavailable, match="cannot read during get of job 'job-a'"):
+        redis_store.get("job-a")
+
+
 def test_claim_whose_reply_is_lost_is_not_acquired(own_redis: ServerFactory) -> None:
     server = own_redis()
     assert server.proc is not None
