@@ -269,11 +269,16 @@ def _refused_on_column(
     accepted: int | None,
 ) -> FenceResult:
     """Result or error for a fence-column write that changed no row."""
-    if accepted is None or not decide(resource, job_id, generation, on_repeat, (job_id, accepted)):
-        # decide() returned True, yet the statement did not write: the row's
-        # generation moved past ours in between (it never moves back)
-        raise stale_token_error(resource, job_id, generation, accepted=accepted)
-    return FenceResult(resource, job_id, generation, applied=False, previous=accepted, rowcount=0)
+    # decide() raises for a stale token and answers False for an accepted repeat
+    if accepted is not None and not decide(
+        resource, job_id, generation, on_repeat, (job_id, accepted)
+    ):
+        return FenceResult(
+            resource, job_id, generation, applied=False, previous=accepted, rowcount=0
+        )
+    # decide() said "write", yet the statement did not: the row's generation
+    # moved past ours in between (it never moves back)
+    raise stale_token_error(resource, job_id, generation, accepted=accepted)
 
 
 def fenced_update(
