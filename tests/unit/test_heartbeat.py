@@ -1,0 +1,205 @@
+"""Heartbeat: batched renewals on a daemon thread, losses, outages, failures.
+
+These run on real time with short leases; every wait is bounded and generous.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+from celery_leases import LeaseTiming, StoreUnavailable
+from celery_leases.heartbeat import Heartbeat, process_heartbeat
+from celery_leases.lease import Lease, make_owner
+from celery_leases.stores.base import Acquired, RenewRequest, RenewResult
+from celery_leases.stores.memory import ManualClock, MemoryStore
+
+TIMING = LeaseTiming(ttl=0.6, renew_interval=0.15, drift_margin=0.1)
+
+
+class RecordingStore(MemoryStore):
+    """A memory store that counts batched renewals and can fail on demand."""
+
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        super().__init__(clock)
+        self.batches: list[int] = []
+        self.down = False
+        self.explode_once = False
+
+    def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        if self.explode_once:
+            self.explode_once = False
+            raise RuntimeError("bug in a store (test)")
+        if self.down:
+            raise StoreUnavailable("store is down (test)")
+        self.batches.append(len(requests))
+        return super()._renew_many(requests)
+
+
+def claim(store: MemoryStore, job_id: str, lost: list[Lease]) -> Lease:
+    owner = make_owner()
+    started = time.monotonic()
+    result = store.claim(job_id, owner, TIMING.ttl)
+    assert isinstance(result, Acquired)
+    return Lease(
+        job_id=job_id,
+        owner=owner,
+        generation=result.generation,
+        lease_until_ms=result.lease_until_ms,
+        started_at=started,
+        store=store,
+        timing=TIMING,
+        on_lost=lost.append,
+    )
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.fixture
+def heartbeat() -> Iterator[Heartbeat]:
+    beat = Heartbeat()
+    yield beat
+    beat.stop()
+    assert not beat.running
+
+
+def test_keeps_a_lease_alive_for_several_ttls(heartbeat: Heartbeat) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    lease = claim(store, "job", lost)
+    heartbeat.add(lease)
+    assert heartbeat.running
+    time.sleep(TIMING.ttl * 4)
+    lease.check()
+    record = store.get("job")
+    assert record is not None
+    assert record.renew_count >= 5
+    assert record.is_live(store.now_ms())
+    assert lost == []
+
+
+def test_renews_all_leases_of_the_process_in_one_batch(heartbeat: Heartbeat) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    leases = [claim(store, f"job-{n}", lost) for n in range(3)]
+    for lease in leases:
+        heartbeat.add(lease)
+    assert wait_for(lambda: len(store.batches) >= 3)
+    assert max(store.batches) == 3  # one round trip renewed all three
+    assert lost == []
+
+
+def test_a_refused_renewal_makes_the_lease_lost(heartbeat: Heartbeat) -> None:
+    clock = ManualClock()
+    store = RecordingStore(clock)
+    lost: list[Lease] = []
+    lease = claim(store, "job", lost)
+    clock.advance(1)  # by the store's clock the lease ran out ...
+    assert isinstance(store.claim("job", "another-worker", 10), Acquired)  # ... and was taken
+    heartbeat.add(lease)
+    assert wait_for(lambda: lease.lost)
+    assert lease.lost_reason == "superseded"
+    assert lost == [lease]
+    assert heartbeat.held() == []
+
+
+def test_store_outage_past_the_deadline_loses_the_lease_on_time(heartbeat: Heartbeat) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    lease = claim(store, "job", lost)
+    store.down = True
+    heartbeat.add(lease)
+    deadline = lease.deadline
+    assert wait_for(lambda: lease.lost)
+    assert lease.lost_reason == "deadline"
+    # noticed within one renew interval of the deadline, never before it
+    assert deadline <= time.monotonic() < deadline + TIMING.renew_interval + 1.0
+
+
+def test_a_short_outage_does_not_lose_the_lease(heartbeat: Heartbeat) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    lease = claim(store, "job", lost)
+    heartbeat.add(lease)
+    assert wait_for(lambda: len(store.batches) >= 1)
+    store.down = True
+    time.sleep(TIMING.renew_interval * 1.5)
+    store.down = False
+    time.sleep(TIMING.ttl * 2)
+    lease.check()
+    assert lost == []
+
+
+def test_an_unexpected_error_loses_every_lease_and_the_thread_survives(
+    heartbeat: Heartbeat, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    first = claim(store, "first", lost)
+    store.explode_once = True
+    heartbeat.add(first)
+    assert wait_for(lambda: first.lost)
+    assert first.lost_reason == "heartbeat-error"
+    assert "the lease heartbeat failed" in caplog.text
+    assert "RuntimeError: bug in a store" in caplog.text  # with the traceback
+    assert heartbeat.running
+    second = claim(store, "second", lost)
+    heartbeat.add(second)
+    time.sleep(TIMING.ttl * 2)
+    second.check()  # the same thread renews the next lease
+    assert lost == [first]
+
+
+def test_stop_joins_the_thread_and_add_starts_it_again(heartbeat: Heartbeat) -> None:
+    store = RecordingStore()
+    lease = claim(store, "job", [])
+    heartbeat.add(lease)
+    heartbeat.stop()
+    assert not heartbeat.running
+    heartbeat.add(lease)
+    assert heartbeat.running
+    assert wait_for(lambda: len(store.batches) >= 1)
+
+
+def test_one_heartbeat_per_process() -> None:
+    assert process_heartbeat() is process_heartbeat()
+    assert process_heartbeat().pid == os.getpid()
+
+
+def test_a_forked_child_gets_its_own_heartbeat() -> None:
+    parent = process_heartbeat()
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() in a process with threads; the child
+        # only reads module state and exits
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # child: report whether it got a fresh heartbeat
+        fresh = process_heartbeat() is not parent and process_heartbeat().pid == os.getpid()
+        os.write(write, b"1" if fresh else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+def test_the_thread_is_a_daemon(heartbeat: Heartbeat) -> None:
+    heartbeat.add(claim(RecordingStore(), "job", []))
+    threads = [t for t in threading.enumerate() if t.name == "celery-leases-heartbeat"]
+    assert threads
+    assert all(t.daemon for t in threads)
