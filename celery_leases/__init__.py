@@ -12,6 +12,7 @@ from celery_leases.errors import (
     LeaseError,
     LeaseHeld,
     LeaseLost,
+    LeaseStoreWarning,
     StaleFencingToken,
     StoreUnavailable,
     TakeoverLimitExceeded,
@@ -69,4 +70,6 @@ __all__ = [
     "StaleFencingToken",
     "StoreUnavailable",
     "TakeoverLimitExceeded",
+    # warnings
+    "LeaseStoreWarning",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "LeaseConfigurationError",
     "LeaseError",
+    "LeaseStoreWarning",
     "LeaseHeld",
     "LeaseLost",
     "StaleFencingToken",
@@ -113,8 +114,10 @@ class StaleFencingToken(LeaseError):
 class StoreUnavailable(LeaseError):
     """The lease store could not be reached or answered with an error.
 
-    The original driver error is chained as ``__cause__``. Nothing is known
-    to have happened: a claim that raises this did not give a lease.
+    The original driver error is chained as ``__cause__``. The caller holds
+    no lease. A claim whose reply was lost may still have been recorded in
+    the store: that lease is never used, runs out after its TTL, and the
+    next claim takes it over.
     """
 
 
@@ -151,3 +154,12 @@ class TakeoverLimitExceeded(LeaseError):
 
 
 __all__ += ["TakeoverLimitExceeded"]
+
+
+class LeaseStoreWarning(UserWarning):
+    """A store is configured in a way that can break the guarantees.
+
+    For example a Redis server that may evict keys or does not persist
+    them. Not an error: the store works, but a restart or memory pressure
+    can lose records and let a generation repeat.
+    """

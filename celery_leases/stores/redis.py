@@ -26,7 +26,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
-from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning, StoreUnavailable
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -58,7 +58,7 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 SCAN_BATCH = 500
 
 
-class RedisConfigWarning(UserWarning):
+class RedisConfigWarning(LeaseStoreWarning):
     """The Redis server is configured in a way that can lose lease records."""
 
 
