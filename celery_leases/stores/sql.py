@@ -374,13 +374,19 @@ class SqlStore(LeaseStore):
         """
         try:
             parsed = sa.make_url(url)
-        except exc.ArgumentError as error:
+        except (exc.ArgumentError, ValueError) as error:
             raise LeaseConfigurationError(f"cannot parse the SQL URL {url!r}: {error}") from error
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
         if parsed.get_backend_name() == "postgresql":
             engine_options.setdefault("pool_pre_ping", True)
-        engine = sa.create_engine(parsed, **engine_options)
+        try:
+            engine = sa.create_engine(parsed, **engine_options)
+        except (ImportError, exc.NoSuchModuleError) as error:
+            raise LeaseConfigurationError(
+                f"the driver of {parsed.render_as_string(hide_password=True)} is not "
+                f"installed ({error}): pip install 'celery-leases[postgres]' for PostgreSQL"
+            ) from error
         try:
             store = cls(engine, table_name=table_name, create_table=create_table)
         except BaseException:
@@ -616,7 +622,9 @@ class SqlStore(LeaseStore):
                 t.c.job_id == batch.c.job_id,
                 t.c.owner == batch.c.owner,
                 t.c.generation == batch.c.generation,
-                t.c.state == LeaseState.HELD.value,
+                # "|| ''" keeps SQLite from driving the join with the state
+                # index, which would scan the whole batch once per held row
+                t.c.state.concat("") == LeaseState.HELD.value,
             )
             .returning(t.c.job_id, t.c.owner, t.c.generation, t.c.lease_until, t.c.renewed_at)
         )
