@@ -436,6 +436,177 @@ def build_bench(kind: str, opened: Opened, args: argparse.Namespace) -> StoreBen
     return bench
 
 
+# --- where the time of one operation goes -------------------------------------
+
+
+def _per_op_us(loop: Callable[[], object], n: int) -> float:
+    return timed(loop) / n * 1e6
+
+
+def _redis_split_round(
+    store: LeaseStore, client: Any, n: int, ttl: float, scripts: tuple[Any, Any]
+) -> dict[str, float]:
+    """One round of :func:`split_redis`: microseconds per operation, by step."""
+    claim_script, complete_script = scripts
+    key = store.key  # type: ignore[attr-defined]
+    owner, ttl_ms = f"bench-split-{os.getpid()}", round(ttl * 1000)
+    jobs = [f"bench-split-{uuid.uuid4().hex}" for _ in range(n)]
+    scripted = [f"bench-split-{uuid.uuid4().hex}" for _ in range(n)]
+    got: list[Any] = []
+    raw: list[Any] = []
+
+    def claims() -> None:
+        got.extend(store.claim(job_id, owner, ttl) for job_id in jobs)
+
+    def completes() -> None:
+        for lease in got:
+            store.complete(lease.job_id, owner, lease.generation)
+
+    def claim_scripts() -> None:
+        raw.extend(claim_script(keys=[key(j)], args=[owner, ttl_ms, ""]) for j in scripted)
+
+    def complete_scripts() -> None:
+        for job_id, reply in zip(scripted, raw, strict=True):
+            complete_script(keys=[key(job_id)], args=[owner, reply[1]])
+
+    def set_nx() -> None:
+        for job_id in jobs:
+            client.set(f"bench-split:{job_id}", "1", nx=True, px=ttl_ms)
+
+    def pings() -> None:
+        for _ in range(n):
+            client.ping()
+
+    steps = {
+        "claim (store)": claims,
+        "complete (store)": completes,
+        "claim (Lua script)": claim_scripts,
+        "complete (Lua script)": complete_scripts,
+        "SET NX PX": set_nx,
+        "PING": pings,
+    }
+    return {name: _per_op_us(loop, n) for name, loop in steps.items()}
+
+
+def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) -> None:
+    """Per-operation time of claim and complete against their bare Lua scripts.
+
+    The scripts (``CLAIM_SCRIPT``, ``COMPLETE_SCRIPT``) run through redis-py's
+    ``Script`` on the same client, so ``store - script`` is the library's own
+    Python cost and ``script - PING`` what the script and its AOF write cost.
+    """
+    from celery_leases.stores.redis import CLAIM_SCRIPT, COMPLETE_SCRIPT
+
+    client, _ = _redis_client(store, url)
+    scripts = (client.register_script(CLAIM_SCRIPT), client.register_script(COMPLETE_SCRIPT))
+    samples: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, value in _redis_split_round(store, client, n, ttl, scripts).items():
+            samples.setdefault(name, []).append(value)
+    print(f"\nredis: microseconds per operation, median of {rounds} rounds of {n}")
+    for name, values in samples.items():
+        print(f"  {name:<24} {_median(values):>8.0f}")
+
+
+class _DriverClock:
+    """Time spent in the driver: statements (cursor events) and commits."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.inside = 0.0
+        self.statements = 0
+
+    def before(self, *_args: object) -> None:
+        self.started = time.perf_counter()
+
+    def after(self, *_args: object) -> None:
+        self.inside += time.perf_counter() - self.started
+        self.statements += 1
+
+    def timing_commit(self, commit: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Wrap the dialect's ``do_commit`` (SQLite's fsync happens in COMMIT)."""
+
+        def do_commit(dbapi_connection: Any) -> None:
+            started = time.perf_counter()
+            try:
+                commit(dbapi_connection)
+            finally:
+                self.inside += time.perf_counter() - started
+
+        return do_commit
+
+
+def _sql_split_round(
+    store: LeaseStore, n: int, ttl: float, clock: _DriverClock
+) -> dict[str, tuple[float, float, float]]:
+    """One round of :func:`split_sql`: (total us, in-driver us, statements) per op."""
+    owner = f"bench-split-{os.getpid()}"
+    jobs = [f"bench-split-{uuid.uuid4().hex}" for _ in range(n)]
+    got: list[Any] = []
+
+    def claims() -> None:
+        got.extend(store.claim(job_id, owner, ttl) for job_id in jobs)
+
+    def renews() -> None:
+        for lease in got:
+            store.renew(lease.job_id, owner, lease.generation, ttl)
+
+    def completes() -> None:
+        for lease in got:
+            store.complete(lease.job_id, owner, lease.generation)
+
+    result = {}
+    for name, loop in {"claim": claims, "renew": renews, "complete": completes}.items():
+        clock.inside, clock.statements = 0.0, 0
+        total = _per_op_us(loop, n)
+        result[name] = (total, clock.inside / n * 1e6, clock.statements / n)
+    return result
+
+
+def split_sql(store: LeaseStore, n: int, rounds: int, ttl: float) -> None:
+    """Per-operation time of claim, renew and complete, split by where it goes.
+
+    ``in driver`` is the time inside the driver's execute (SQLAlchemy cursor
+    events) and commit (the dialect's ``do_commit``, wrapped for the run):
+    round trips and the database's work. ``checkout`` is taking a pooled
+    connection and giving it back (with ``pool_pre_ping``, one more round
+    trip). The rest is Python: building the statement, SQLAlchemy's
+    compilation cache, reading the result.
+    """
+    from sqlalchemy import event
+
+    engine = store.engine  # type: ignore[attr-defined]
+    clock = _DriverClock()
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    event.listen(engine, "before_cursor_execute", clock.before)
+    event.listen(engine, "after_cursor_execute", clock.after)
+    dialect = engine.dialect
+    dialect.do_commit = clock.timing_commit(dialect.do_commit)
+    try:
+        for _ in range(rounds):
+            for name, row in _sql_split_round(store, n, ttl, clock).items():
+                rows.setdefault(name, []).append(row)
+    finally:
+        event.remove(engine, "before_cursor_execute", clock.before)
+        event.remove(engine, "after_cursor_execute", clock.after)
+        del dialect.do_commit  # the class's method again
+
+    def checkout() -> None:
+        for _ in range(n):
+            with engine.connect():
+                pass
+
+    pooled = _median([_per_op_us(checkout, n) for _ in range(rounds)])
+    print(f"\n{store.url}: microseconds per operation, median of {rounds} rounds of {n}")
+    print(f"  {'operation':<10} {'total':>7} {'in driver':>10} {'statements':>11} "
+          f"{'checkout':>9} {'rest (Python)':>14}")  # fmt: skip
+    for name, values in rows.items():
+        total, inside, statements = (_median([v[i] for v in values]) for i in range(3))
+        rest = total - inside - pooled
+        print(f"  {name:<10} {total:>7.0f} {inside:>10.0f} {statements:>11.2f} "
+              f"{pooled:>9.0f} {rest:>14.0f}")  # fmt: skip
+
+
 # --- profiling --------------------------------------------------------------
 
 
@@ -560,6 +731,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument(
+        "--split",
+        action="store_true",
+        help="also show where the time of one operation goes (Python, round trip, server)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="profile claim+complete pairs of each store"
     )
     parser.add_argument(
@@ -587,6 +763,10 @@ def bench_one(kind: str, args: argparse.Namespace) -> StoreBench | None:
     try:
         bench = build_bench(kind, opened, args)
         run_rounds(bench, args.ops, args.rounds)
+        if args.split and kind == "redis":
+            split_redis(opened.store, opened.url, args.ops, args.rounds, args.ttl)
+        elif args.split and kind in ("postgres", "sqlite"):
+            split_sql(opened.store, args.ops, args.rounds, args.ttl)
         if args.profile:
             print(f"\n--- profile of {args.ops} claim+complete pairs on {kind}")
             profile_claims(opened.store, args.ops, args.ttl)
