@@ -106,8 +106,8 @@ def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> 
         sa.Column("claimed_at", sa.BigInteger, nullable=True),
         sa.Column("renewed_at", sa.BigInteger, nullable=True),
         sa.Column("completed_at", sa.BigInteger, nullable=True),
-        sa.Column("renew_count", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("takeovers", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
         # purge_completed and records(state=...) filter on these
         sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
     )
