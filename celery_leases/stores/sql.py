@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sqlite3
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +85,22 @@ SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTE
 #: Option on connections that only read: SQLite then begins a deferred
 #: transaction instead of taking the write lock.
 _READ_ONLY_OPTION = "celery_leases_read_only"
+
+
+#: engines of open stores; a forked child must not reuse their connections
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_connections_after_fork() -> None:
+    # A Celery prefork child inherits the parent's pooled connections; two
+    # processes talking over one socket (or one SQLite handle) corrupt each
+    # other. The child drops them without closing them (they are the parent's).
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_connections_after_fork)
 
 
 def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
@@ -349,6 +367,7 @@ class SqlStore(LeaseStore):
         self.dialect_name = self._dialect.name
         self.table = lease_table(sa.MetaData(), table_name)
         self._owns_engine = False
+        _ENGINES.add(engine)
         self._writer = engine.execution_options(**self._dialect.write_options)
         self._reader = engine.execution_options(**self._dialect.read_options)
         if create_table:

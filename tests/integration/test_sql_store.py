@@ -10,6 +10,7 @@ tests that stop it); SQLite databases are files under ``tmp_path``.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sqlite3
 import threading
 import time
@@ -350,6 +351,30 @@ def test_close_disposes_only_an_engine_the_store_created(sqlite_url: str) -> Non
         assert engine.pool.checkedin() == 1  # type: ignore[attr-defined]
     finally:
         engine.dispose()
+
+
+def test_forked_child_does_not_reuse_the_parents_connections(sql_store: SqlStore) -> None:
+    _acquire(sql_store, "parent")
+    assert sql_store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        code = 1
+        try:
+            fresh_pool = sql_store.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
+            works = isinstance(sql_store.claim("child", B, 10), Acquired)
+            code = 0 if fresh_pool and works else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read, 1) == bytes([0])
+    os.close(read)
+    assert status == 0
+    # the parent's pooled connection still works
+    assert isinstance(sql_store.claim("parent-again", A, 10), Acquired)
+    assert sql_store.get("child") is not None
 
 
 # --- the clock is the database's ---------------------------------------------
