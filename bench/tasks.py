@@ -10,8 +10,10 @@ threads, solo; same ``-c``) alternates plain and leased runs. Each run loads
 the queue first, starts a real ``celery worker``, and times the stretch from
 the first to the last result written (the worker's start-up is left out).
 It prints tasks/s per kind, the leased/plain ratio beside its target, and
-the lease store's commands per leased task (claim + complete ≈ 2; renewals
-are batched and rare for tasks this short).
+the lease store's round trips per leased task from ``INFO commandstats``:
+script calls, since every store operation is one script (claim + complete
+≈ 2; renewals are batched and rare for tasks this short), and all commands
+including those the scripts run.
 
 This file is also the worker's app: the worker imports it as ``tasks``
 (``celery -A tasks worker`` run inside ``bench/``), configured from
@@ -88,11 +90,21 @@ class Run:
     kind: str
     tasks: int
     seconds: float
-    store_commands: int
+    store_commands: dict[str, int]
 
     @property
     def rate(self) -> float:
         return self.tasks / self.seconds
+
+    @property
+    def scripts_per_task(self) -> float:
+        """Store round trips per task: every store operation is one script."""
+        return sum(self.store_commands.get(name, 0) for name in _SCRIPT_COMMANDS) / self.tasks
+
+    @property
+    def commands_per_task(self) -> float:
+        """All store commands per task, including those run inside scripts."""
+        return sum(self.store_commands.values()) / self.tasks
 
 
 def _redis_servers() -> tuple[RedisServer, RedisServer]:
@@ -107,14 +119,19 @@ def _redis_servers() -> tuple[RedisServer, RedisServer]:
     return broker, store
 
 
-def _total_commands(client: redis.Redis) -> int:
+#: commands that run a whole Lua script in one round trip; the commands a
+#: script runs inside are counted by INFO commandstats as well
+_SCRIPT_COMMANDS = ("eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro")
+
+
+def _store_commands(client: redis.Redis) -> dict[str, int]:
     """Commands the server ran since CONFIG RESETSTAT, minus our own probes."""
     stats = client.info("commandstats")
-    return sum(
-        int(value["calls"])
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
         for name, value in stats.items()
         if name not in ("cmdstat_info", "cmdstat_config", "cmdstat_flushdb")
-    )
+    }
 
 
 def _run_once(
@@ -183,7 +200,7 @@ def _run_once(
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
-    commands = _total_commands(store)
+    commands = _store_commands(store)
 
     done = []
     keys = list(backend.scan_iter("celery-task-meta-*", count=1000))
@@ -211,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=2, help="plain/leased pairs per pool, alternated (2)"
     )
     parser.add_argument("--ttl", type=float, default=30.0, help="lease TTL in seconds (30)")
+    parser.add_argument(
+        "--show-commands",
+        action="store_true",
+        help="also print each leased run's store commands per task, by command",
+    )
     args = parser.parse_args(argv)
 
     broker, store = _redis_servers()
@@ -240,21 +262,29 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(f"{args.tasks} tasks per run, -c {args.concurrency}, {args.rounds} rounds, alternated")
-    header = ("pool", "plain/s", "leased/s", "ratio", "target", "store cmds/task")
-    print("{:8} {:>9} {:>9} {:>6} {:>7} {:>16}".format(*header))
+    header = ("pool", "plain/s", "leased/s", "ratio", "target", "trips/task", "cmds/task")
+    print("{:8} {:>9} {:>9} {:>6} {:>7} {:>11} {:>10}".format(*header))
     for pool in args.pools.split(","):
         plain = [r for r in runs if r.pool == pool and r.kind == "plain"]
         leased = [r for r in runs if r.pool == pool and r.kind == "leased"]
         plain_rate = sum(r.tasks for r in plain) / sum(r.seconds for r in plain)
         leased_rate = sum(r.tasks for r in leased) / sum(r.seconds for r in leased)
         ratio = leased_rate / plain_rate
-        per_task = statistics.mean(r.store_commands / args.tasks for r in leased)
+        trips = statistics.mean(r.scripts_per_task for r in leased)
+        commands = statistics.mean(r.commands_per_task for r in leased)
         target = TARGETS.get(pool, 0.0)
         verdict = "ok" if ratio >= target else "BELOW"
         print(
             f"{pool:8} {plain_rate:9.0f} {leased_rate:9.0f} {ratio:6.2f} "
-            f"{'>=' + format(target, '.2f'):>7} {per_task:16.2f}  {verdict}"
+            f"{'>=' + format(target, '.2f'):>7} {trips:11.2f} {commands:10.2f}  {verdict}"
         )
+        if args.show_commands:
+            for run in leased:
+                counts = ", ".join(
+                    f"{name} {calls / run.tasks:.2f}"
+                    for name, calls in sorted(run.store_commands.items())
+                )
+                print(f"{'':8} store commands per task: {counts}")
     return 0
 
 
