@@ -142,7 +142,8 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             app.conf.leases_store = leases_store
         if leases_ttl is not None:
             app.conf.leases_ttl = leases_ttl
-        forget_runtime(app)
+        if leases_store is not None or leases_ttl is not None:
+            forget_runtime(app)  # settings read before the options must be read again
         pool = str(getattr(parent, "pool_cls", "") or kwargs.get("pool", "") or "")
         for warning in check_app(app, pool=pool):
             logger.warning(warning)

@@ -1,0 +1,608 @@
+"""LeasedTask in a real Celery worker running in this process.
+
+The broker and result backend are a real redis-server; the lease store is
+the in-process memory store (the worker shares this process), a real Redis
+store, or SQLite. Each test has its own app, queue and store.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.result import AsyncResult
+
+from celery_leases import (
+    LeaseConfigurationError,
+    LeasedTask,
+    LeaseHeld,
+    LeaseLost,
+    LeaseState,
+    signals,
+)
+from celery_leases.task import DEFERRALS_HEADER, forget_runtime, store_for
+from celery_leases.worker import check_app
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+WAIT = 30.0  # generous: the machine is shared
+
+
+class Recorder:
+    """What task bodies and signal receivers saw, across threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, Any]] = []
+
+    def add(self, kind: str, value: Any = None) -> None:
+        with self.lock:
+            self.events.append((kind, value))
+
+    def of(self, kind: str) -> list[Any]:
+        with self.lock:
+            return [value for k, value in self.events if k == kind]
+
+    def wait(self, kind: str, count: int = 1, timeout: float = WAIT) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.of(kind)) >= count:
+                return self.of(kind)
+            time.sleep(0.02)
+        raise AssertionError(f"waited {timeout} s for {count} x {kind!r}; saw {self.events!r}")
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    recorder = Recorder()
+    receivers = []
+    for name in signals.__all__:
+        signal = getattr(signals, name)
+
+        def receive(sender: Any, _name: str = name, **kwargs: Any) -> None:
+            recorder.add(_name, kwargs)
+
+        signal.connect(receive, weak=False)
+        receivers.append((signal, receive))
+    yield recorder
+    for signal, receive in receivers:
+        signal.disconnect(receive)
+
+
+@pytest.fixture
+def make_app(redis_server: RedisServer, unique: str) -> Iterator[Callable[..., Celery]]:
+    apps: list[Celery] = []
+
+    def factory(store: str = "memory://", **conf: Any) -> Celery:
+        app = Celery(f"leases{unique}{len(apps)}", set_as_current=False)
+        app.conf.update(
+            broker_url=redis_server.url,
+            result_backend=redis_server.url,
+            broker_connection_retry_on_startup=True,
+            # no expiry: Celery's Redis backend would call setex, deprecated in redis-py 8
+            result_expires=None,
+            task_default_queue=f"q{unique}{len(apps)}",
+            leases_store=store,
+            leases_defer_backoff=0.2,
+            leases_defer_max=1.0,
+            **conf,
+        )
+        apps.append(app)
+        return app
+
+    yield factory
+    for app in apps:
+        forget_runtime(app)
+
+
+@contextmanager
+def worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
+    with start_worker(
+        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
+    ) as running:
+        yield running
+
+
+def store_url(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path, unique: str
+) -> tuple[str, dict[str, Any]]:
+    if kind == "memory":
+        return "memory://", {}
+    if kind == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return server.url, {"prefix": f"t{unique}:"}
+    return f"sqlite:///{tmp_path / 'leases.db'}", {"table_name": f"leases_{unique}"}
+
+
+# --- the protocol in a worker -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis", "sqlite"])
+def test_claim_body_complete_records_success(
+    kind: str,
+    make_app: Callable[..., Celery],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    unique: str,
+    recorder: Recorder,
+) -> None:
+    url, options = store_url(kind, request, tmp_path, unique)
+    app = make_app(url, leases_store_options=options)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def add(self: LeasedTask, x: int, y: int) -> int:
+        recorder.add("body", (self.lease.job_id, self.lease.generation, self.lease.idempotency_key))
+        return x + y
+
+    with worker(app):
+        result = add.delay(2, 3)
+        assert result.get(timeout=WAIT) == 5
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    [(job_id, generation, key)] = recorder.of("body")
+    assert job_id == result.id
+    assert generation == record.generation
+    assert key == f"{result.id}:{generation}"
+    assert len(recorder.of("lease_claimed")) == 1
+    assert len(recorder.of("lease_completed")) == 1
+
+
+def test_a_failing_body_releases_and_records_failure(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def broken(self: LeasedTask) -> None:
+        raise ValueError("broken on purpose")
+
+    with worker(app):
+        result = broken.delay()
+        with pytest.raises(ValueError, match="broken on purpose"):
+            result.get(timeout=WAIT)
+    assert result.state == "FAILURE"
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.RELEASED
+    [released] = recorder.of("lease_released")
+    assert released["reason"] == "failure"
+
+
+def test_retry_releases_and_the_retry_claims_the_next_generation(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, max_retries=3)
+    def flaky(self: LeasedTask) -> str:
+        recorder.add("generation", self.lease.generation)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1)
+        return "done"
+
+    with worker(app):
+        result = flaky.delay()
+        assert result.get(timeout=WAIT) == "done"
+    first, second = recorder.of("generation")
+    assert second == first + 1
+    assert [r["reason"] for r in recorder.of("lease_released")] == ["retry"]
+
+
+def test_a_completed_job_delivered_again_is_skipped(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def echo(self: LeasedTask, value: str) -> str:
+        recorder.add("body", value)
+        return value
+
+    task_id = uuid.uuid4().hex
+    with worker(app):
+        assert echo.apply_async(("first",), task_id=task_id).get(timeout=WAIT) == "first"
+        echo.apply_async(("second",), task_id=task_id)
+        marker = echo.delay("marker")  # solo pool: runs after the duplicate
+        assert marker.get(timeout=WAIT) == "marker"
+    assert recorder.of("body") == ["first", "marker"]
+    assert AsyncResult(task_id, app=app).get(timeout=WAIT) == "first"
+
+
+def test_a_duplicate_while_held_is_deferred_and_completes_once(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> str:
+        recorder.add("body", self.request.get(DEFERRALS_HEADER))
+        return "ran"
+
+    task_id = uuid.uuid4().hex
+    store = store_for(app)
+    held = store.claim(task_id, "another-worker:1:abc", 1.5)  # another worker holds it
+    with worker(app):
+        result = job.apply_async(task_id=task_id)
+        deferred = recorder.wait("duplicate_deferred")
+        assert deferred[0]["reason"] == "held"
+        assert deferred[0]["holder"] == "another-worker:1:abc"
+        assert 0 < deferred[0]["countdown"] <= 1.0  # capped by leases_defer_max
+        assert recorder.of("body") == []
+        assert result.get(timeout=WAIT) == "ran"  # the holder's lease ran out
+    [deferrals] = recorder.of("body")
+    assert deferrals >= 1  # the run that completed was a re-published copy
+    record = store.get(task_id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    assert record.generation == held.generation + 1  # type: ignore[union-attr]
+
+
+def test_store_down_at_claim_defers_until_it_is_back(
+    make_app: Callable[..., Celery], recorder: Recorder, unique: str
+) -> None:
+    lease_server = RedisServer()
+    try:
+        app = make_app(
+            lease_server.url,
+            leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
+        )
+
+        @app.task(shared=False, base=LeasedTask, bind=True)
+        def job(self: LeasedTask) -> str:
+            recorder.add("body")
+            return "ran"
+
+        lease_server.stop()
+        with worker(app):
+            result = job.delay()
+            deferred = recorder.wait("duplicate_deferred", count=2)
+            assert {d["reason"] for d in deferred} == {"store-unavailable"}
+            assert recorder.of("body") == []
+            lease_server.start()
+            assert result.get(timeout=WAIT) == "ran"
+        assert len(recorder.of("body")) == 1
+        record = store_for(app).get(result.id)
+        assert record is not None
+        assert record.state is LeaseState.COMPLETED
+    finally:
+        lease_server.close()
+
+
+def test_a_fenced_out_completion_writes_nothing(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    from celery_leases.stores.memory import ManualClock
+
+    clock = ManualClock()
+    app = make_app(leases_store_options={"clock": clock}, leases_on_lost="flag")
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=30)
+    def stale(self: LeasedTask) -> str:
+        # the lease runs out by the store's clock and another worker claims the job
+        clock.advance(31)
+        taken = store_for(app).claim(self.lease.job_id, "successor:2:def", 30)
+        recorder.add("taken", taken)
+        return "stale result"
+
+    with worker(app):
+        result = stale.delay()
+        [fenced] = recorder.wait("lease_fenced_out")
+        assert fenced["reason"] == "superseded"
+        # the message was published again so the job cannot be dropped
+        copies = recorder.wait("duplicate_deferred", count=2)
+        assert copies[0]["reason"] == "fenced-out"
+        assert copies[1]["reason"] == "held"
+        [successor] = recorder.of("taken")
+        store_for(app).complete(result.id, "successor:2:def", successor.generation)
+        time.sleep(1.5)  # the next copy finds the job completed and is skipped
+    assert result.state == "PENDING"  # the stale run's value was never stored
+    assert len(recorder.of("taken")) == 1
+
+
+def test_the_heartbeat_keeps_a_task_alive_for_several_ttls(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5)
+    def slow(self: LeasedTask) -> int:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            self.lease.check()
+            time.sleep(0.05)
+        return self.lease.generation
+
+    with worker(app):
+        result = slow.delay()
+        generation = result.get(timeout=WAIT)
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    assert record.generation == generation
+    assert record.renew_count >= 5
+
+
+def test_blocked_renewals_raise_lease_lost_soon_after_the_deadline(
+    make_app: Callable[..., Celery], recorder: Recorder, unique: str
+) -> None:
+    lease_server = RedisServer()
+    try:
+        app = make_app(
+            lease_server.url,
+            leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 0.5},
+        )
+
+        @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5)
+        def long_job(self: LeasedTask) -> str:
+            if self.request.get(DEFERRALS_HEADER):
+                recorder.add("second run")
+                return "finished by the copy"
+            deadline = self.lease.deadline
+            recorder.add("deadline", deadline)
+            lease_server.stop()
+            try:
+                while time.monotonic() < deadline + 10:
+                    time.sleep(0.01)
+            except LeaseLost as exc:
+                recorder.add("lost", (time.monotonic(), exc.reason))
+                raise
+            return "not reached"
+
+        with worker(app):
+            result = long_job.delay()
+            [(noticed, reason)] = recorder.wait("lost")
+            [deadline] = recorder.of("deadline")
+            assert reason == "deadline"
+            assert deadline <= noticed < deadline + 0.5 + 1.0  # one renew interval + slack
+            assert recorder.wait("lease_fenced_out")[0]["reason"] == "deadline"
+            lease_server.start()
+            # the re-published copy waits out the stale lease, then finishes the job
+            assert result.get(timeout=WAIT) == "finished by the copy"
+    finally:
+        lease_server.close()
+
+
+@pytest.mark.parametrize("mode", ["flag", "raise"])
+def test_on_lost_modes(mode: str, make_app: Callable[..., Celery], recorder: Recorder) -> None:
+    from celery_leases.stores.memory import ManualClock
+
+    clock = ManualClock()
+    app = make_app(leases_store_options={"clock": clock})
+
+    class Watched(LeasedTask):
+        def on_lease_lost(self, lease: Any) -> None:
+            recorder.add("hook", lease.lost_reason)
+
+    @app.task(shared=False, base=Watched, bind=True, lease_ttl=1.5, lease_on_lost=mode)
+    def victim(self: LeasedTask) -> None:
+        clock.advance(2)
+        store_for(app).claim(self.lease.job_id, "successor:2:def", 60)  # next renewal is refused
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not self.lease.lost:
+                time.sleep(0.01)
+            recorder.add("flag seen", self.lease.lost)
+            with pytest.raises(LeaseLost):
+                self.lease.check()
+            time.sleep(0.2)  # an interrupt, if any, lands here
+            recorder.add("finished", True)
+        except LeaseLost as exc:
+            recorder.add("interrupted", exc.reason)
+            raise
+
+    with worker(app):
+        result = victim.delay()
+        recorder.wait("lease_fenced_out")
+    assert recorder.of("hook") == ["superseded"]
+    assert [e["reason"] for e in recorder.of("lease_lost")] == ["superseded"]
+    if mode == "flag":
+        assert recorder.of("finished") == [True]
+        assert recorder.of("interrupted") == []
+    else:
+        assert recorder.of("interrupted") == ["superseded"]
+        assert recorder.of("finished") == []
+    assert result.state == "PENDING"
+
+
+def test_a_job_past_its_takeover_limit_is_failed_without_running(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    from celery_leases.stores.memory import ManualClock
+
+    clock = ManualClock()
+    app = make_app(leases_store_options={"clock": clock})
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_max_takeovers=1)
+    def poison(self: LeasedTask) -> None:
+        recorder.add("body")
+
+    task_id = uuid.uuid4().hex
+    store = store_for(app)
+    for n in range(2):  # two workers died holding it
+        store.claim(task_id, f"dead:{n}:x", 1)
+        clock.advance(2)
+    with worker(app):
+        result = poison.apply_async(task_id=task_id)
+        with pytest.raises(Exception, match="took over a run-out lease 2 times"):
+            result.get(timeout=WAIT)
+    assert recorder.of("body") == []
+    record = store.get(task_id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+
+
+def test_a_singleton_key_makes_calls_with_equal_arguments_one_job(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_key="report:{customer_id}")
+    def report(self: LeasedTask, customer_id: int) -> str:
+        recorder.add("body", self.lease.job_id)
+        return self.lease.job_id
+
+    with worker(app):
+        assert report.delay(customer_id=7).get(timeout=WAIT) == "report:7"
+        report.delay(customer_id=7)
+        assert report.delay(customer_id=8).get(timeout=WAIT) == "report:8"
+    assert recorder.of("body") == ["report:7", "report:8"]
+
+
+def test_threads_pool_runs_leased_tasks(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def square(self: LeasedTask, x: int) -> int:
+        self.lease.check()
+        return x * x
+
+    with worker(app, pool="threads", concurrency=4):
+        results = [square.delay(n) for n in range(8)]
+        assert [r.get(timeout=WAIT) for r in results] == [n * n for n in range(8)]
+
+
+# --- eager mode and direct calls -------------------------------------------------------
+
+
+def test_eager_mode_follows_the_same_protocol(make_app: Callable[..., Celery]) -> None:
+    app = make_app(task_always_eager=True)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def double(self: LeasedTask, x: int) -> int:
+        return 2 * x + 0 * self.lease.generation
+
+    result = double.apply_async((4,), task_id="eager-1")
+    assert result.get() == 8
+    record = store_for(app).get("eager-1")
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    assert double.apply((4,), task_id="eager-1").state == "IGNORED"  # already completed
+
+
+def test_eager_mode_raises_lease_held_instead_of_deferring(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> None:
+        raise AssertionError("must not run")
+
+    store_for(app).claim("held-job", "another-worker:1:abc", 30)
+    with pytest.raises(LeaseHeld, match="cannot be deferred") as info:
+        job.apply_async(task_id="held-job")
+    assert info.value.holder == "another-worker:1:abc"
+
+
+def test_self_lease_outside_a_run_is_a_clear_error(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> None:
+        pass
+
+    with pytest.raises(Exception, match="only available inside the body"):
+        _ = job.lease
+
+
+# --- worker start checks -----------------------------------------------------------
+
+
+def test_a_leased_task_without_acks_late_stops_the_worker(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, acks_late=False)
+    def job(self: LeasedTask) -> None:
+        pass
+
+    with pytest.raises(LeaseConfigurationError, match="acks_late=False"), worker(app):
+        pass
+
+
+def test_a_missing_store_setting_stops_the_worker(make_app: Callable[..., Celery]) -> None:
+    app = make_app(store="")
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> None:
+        pass
+
+    with pytest.raises(LeaseConfigurationError, match="leases_store"), worker(app):
+        pass
+
+
+def test_a_short_visibility_timeout_is_reported(make_app: Callable[..., Celery]) -> None:
+    app = make_app(broker_transport_options={"visibility_timeout": 10})
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=30)
+    def job(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    [warning] = check_app(app, pool="prefork")
+    assert "visibility_timeout (10 s) is shorter than the lease ttl" in warning
+
+
+def test_stop_mode_outside_prefork_is_reported(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_on_lost="stop")
+    def job(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    [warning] = check_app(app, pool="threads")
+    assert "lease_on_lost='stop'" in warning
+
+
+def test_cli_options_are_added_once_and_override_the_settings(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(store="memory://")
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> float:
+        return self.lease.timing.ttl
+
+    app.finalize()
+    LeasedTask.on_bound(app)  # binding again does not add the options twice
+    names = sorted(o.name for o in app.user_options["worker"])
+    assert names == ["leases_store", "leases_ttl"]
+    with start_worker(
+        app, pool="solo", perform_ping_check=False, shutdown_timeout=30, leases_ttl=42.0
+    ):
+        assert job.delay().get(timeout=WAIT) == 42.0
+
+
+def test_store_handle_is_reopened_in_a_forked_process(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+    parent_store = store_for(app)
+    assert store_for(app) is parent_store  # one handle per process
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about fork() with threads; the child only checks and exits
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        fresh = store_for(app) is not parent_store
+        os.write(write, b"1" if fresh else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
