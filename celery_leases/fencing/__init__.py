@@ -100,10 +100,18 @@ class Token:
 def check_token(token: FencingToken) -> tuple[str, int]:
     """Return ``(job_id, generation)`` of ``token`` after checking them.
 
+    A token with a ``check()`` method (a ``Lease``) is asked first, so a
+    lease already lost locally (its safe deadline passed, a renewal was
+    refused) stops the write before anything is sent.
+
     Raises:
+        LeaseLost: the lease's own ``check()`` says it is lost.
         LeaseConfigurationError: ``job_id`` is not a non-empty string or
             ``generation`` is not a positive integer.
     """
+    local_check = getattr(token, "check", None)
+    if callable(local_check):
+        local_check()
     job_id = getattr(token, "job_id", None)
     generation = getattr(token, "generation", None)
     if not isinstance(job_id, str) or not job_id:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import requests
 
-from celery_leases.errors import LeaseConfigurationError, StaleFencingToken
+from celery_leases.errors import LeaseConfigurationError, LeaseLost, StaleFencingToken
 from celery_leases.fencing import MemoryFences, Token
 from celery_leases.fencing.http import (
     FenceChecker,
@@ -282,3 +282,32 @@ def test_service_answers_400_without_a_token(service: tuple[str, object]) -> Non
         response = client.put("/values/v", content=b"x")
     assert response.status_code == 400
     assert "Fencing-Token" in response.json()["error"]
+
+
+class LostLease:
+    """A lease whose local safe deadline has passed (as ``Lease.check`` reports)."""
+
+    job_id = "job-1"
+    owner = "worker-a"
+    generation = 7
+
+    def check(self) -> None:
+        raise LeaseLost(
+            "the safe deadline passed",
+            job_id="job-1",
+            owner="worker-a",
+            generation=7,
+            reason="deadline",
+        )
+
+
+def test_a_locally_lost_lease_is_stopped_before_sending() -> None:
+    with pytest.raises(LeaseLost):
+        fencing_headers(LostLease())
+
+
+def test_a_locally_lost_lease_does_not_move_a_fence() -> None:
+    fences = MemoryFences()
+    with pytest.raises(LeaseLost):
+        fences.advance("r", LostLease())
+    assert fences.accepted("r") is None
