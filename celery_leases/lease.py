@@ -58,6 +58,7 @@ class Lease:
         timing: TTL, renew interval and drift margin of the task.
         task_name: the task's name, for messages.
         on_lost: called once (in the thread that noticed) when the lease is lost.
+        on_renewed: called after each accepted renewal (often in the heartbeat thread).
         clock: the local monotonic clock.
     """
 
@@ -73,6 +74,7 @@ class Lease:
         timing: LeaseTiming,
         task_name: str = "",
         on_lost: Callable[[Lease], None] | None = None,
+        on_renewed: Callable[[Lease], None] | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.job_id = job_id
@@ -83,6 +85,7 @@ class Lease:
         self.task_name = task_name
         self._clock = clock
         self._on_lost = on_lost
+        self._on_renewed = on_renewed
         self._lock = threading.Lock()
         self._lease_until_ms = lease_until_ms
         self._deadline = started_at + timing.safe_duration
@@ -191,6 +194,11 @@ class Lease:
             self._deadline = max(self._deadline, started_at + self.timing.safe_duration)
             self._lease_until_ms = max(self._lease_until_ms, result.lease_until_ms)
             self.next_renew_at = started_at + self.timing.renew_interval
+        if self._on_renewed is not None:
+            try:
+                self._on_renewed(self)
+            except Exception:
+                logger.exception("renewed-lease handler for job %r failed", self.job_id)
 
     def expire_if_due(self) -> bool:
         """Mark the lease lost if its deadline has passed; returns ``lost``."""

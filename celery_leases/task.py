@@ -297,6 +297,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             timing=timing,
             task_name=self.name,
             on_lost=on_lost,
+            on_renewed=self._lease_renewed,
         )
 
     def _run_body(
@@ -395,6 +396,9 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             takeovers=claim.takeovers,
             limit=limit,
         )
+
+    def _lease_renewed(self, lease: Lease) -> None:
+        signals.lease_renewed.send(sender=self, lease=lease, job_id=lease.job_id)
 
     # -- lost leases and fenced-out runs ---------------------------------------
 

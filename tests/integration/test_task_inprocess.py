@@ -312,7 +312,7 @@ def test_a_fenced_out_completion_writes_nothing(
 
 
 def test_the_heartbeat_keeps_a_task_alive_for_several_ttls(
-    make_app: Callable[..., Celery],
+    make_app: Callable[..., Celery], recorder: Recorder
 ) -> None:
     app = make_app()
 
@@ -332,6 +332,7 @@ def test_the_heartbeat_keeps_a_task_alive_for_several_ttls(
     assert record.state is LeaseState.COMPLETED
     assert record.generation == generation
     assert record.renew_count >= 5
+    assert len(recorder.of("lease_renewed")) == record.renew_count
 
 
 def test_blocked_renewals_raise_lease_lost_soon_after_the_deadline(

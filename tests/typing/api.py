@@ -1,0 +1,61 @@
+"""Type-checked use of the public task API (run by mypy, not by pytest)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from celery import Celery
+
+from celery_leases import (
+    Lease,
+    LeasedTask,
+    LeaseLost,
+    LeaseSettings,
+    LeaseTiming,
+    TakeoverLimitExceeded,
+    install,
+)
+from celery_leases.signals import lease_lost
+
+app = Celery("typing")
+app.conf.leases_store = "memory://"
+install(app)
+
+
+@app.task(  # type: ignore[untyped-decorator]  # celery ships no type hints
+    base=LeasedTask, bind=True, lease_ttl=30.0, lease_key="report:{customer_id}"
+)
+def report(self: LeasedTask, customer_id: int) -> str:
+    lease: Lease = self.lease
+    generation: int = lease.generation
+    until: datetime = lease.lease_until
+    left: float = lease.remaining()
+    lease.check()
+    lease.ensure(5.0)
+    lost: bool = lease.lost
+    return f"{lease.idempotency_key} {generation} {until:%H:%M} {left:.1f} {lost}"
+
+
+class Careful(LeasedTask):
+    lease_on_lost = "flag"
+    lease_max_takeovers = 3
+
+    def on_lease_lost(self, lease: Lease) -> None:
+        reason: str | None = lease.lost_reason
+        print(reason)
+
+
+settings: LeaseSettings = LeaseSettings.from_conf(app.conf)
+timing: LeaseTiming = settings.timing(ttl=10.0)
+safe: float = timing.safe_duration
+
+
+def on_lost(sender: object, lease: Lease, reason: str, error: LeaseLost, **_: object) -> None:
+    print(sender, lease.job_id, reason, error.generation)
+
+
+lease_lost.connect(on_lost)
+
+
+def limit(error: TakeoverLimitExceeded) -> int:
+    return error.takeovers - error.limit
