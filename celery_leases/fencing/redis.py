@@ -27,6 +27,7 @@ from celery_leases.fencing import (
     FenceResult,
     FencingToken,
     OnRepeat,
+    Token,
     check_on_repeat,
     check_resource,
     check_token,
@@ -335,9 +336,9 @@ class RedisFence:
         """
         return self._run(self._advance, resource, None, token, on_repeat, [])
 
-    def accepted(self, key: str) -> tuple[str, int] | None:
-        """``(job_id, generation)`` last accepted for ``key``, or ``None``."""
+    def accepted(self, key: str) -> Token | None:
+        """The token last accepted for ``key`` (without owner), or ``None``."""
         job_id, generation = self.client.hmget(self.fence_key(key), ["job_id", "generation"])
         if generation is None:
             return None
-        return _text(job_id), int(_text(generation))
+        return Token(_text(job_id), int(_text(generation)))

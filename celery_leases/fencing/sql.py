@@ -38,6 +38,7 @@ from celery_leases.fencing import (
     FencingToken,
     HolderToken,
     OnRepeat,
+    Token,
     check_on_repeat,
     check_resource,
     check_token,
@@ -422,15 +423,15 @@ class SqlFences:
         with self.engine.begin() as conn:
             return advance_fence(conn, resource, token, fences=self.table, on_repeat=on_repeat)
 
-    def accepted(self, resource: str) -> tuple[str, int] | None:
-        """``(job_id, generation)`` last accepted for ``resource``, or ``None``."""
+    def accepted(self, resource: str) -> Token | None:
+        """The token last accepted for ``resource`` (without owner), or ``None``."""
         with self.engine.connect() as conn:
             row = conn.execute(
                 sa.select(self.table.c.job_id, self.table.c.generation).where(
                     self.table.c.resource == resource
                 )
             ).first()
-        return None if row is None else (str(row.job_id), int(row.generation))
+        return None if row is None else Token(str(row.job_id), int(row.generation))
 
 
 # --- the lease check in the same transaction ---------------------------------

@@ -56,7 +56,7 @@ def test_newer_set_applies_and_reports_the_previous_generation(
     assert (first.applied, first.previous) == (True, None)
     assert (second.applied, second.previous) == (True, 7)
     assert client.get(key) == "from 8"
-    assert fence.accepted(key) == ("job-1", 8)
+    assert fence.accepted(key) == Token("job-1", 8)
 
 
 def test_unfenced_set_lets_the_stale_write_land(client: redis.Redis, key: str) -> None:
@@ -158,7 +158,7 @@ def test_works_with_a_bytes_client(redis_server: RedisServer, unique: str, key: 
             fence.set(key, b"old", A)
         assert refused.value.accepted == 8
         assert raw.get(key) == b"\x00\xff"
-        assert fence.accepted(key) == ("job-1", 8)
+        assert fence.accepted(key) == Token("job-1", 8)
     finally:
         raw.close()
 

@@ -129,7 +129,7 @@ def test_fence_records_newest_job_and_generation(
 ) -> None:
     write(engine, tables, A, "from 7")
     write(engine, tables, B, "from 8")
-    assert SqlFences(engine, tables[0]).accepted("item:1") == ("job-1", 8)
+    assert SqlFences(engine, tables[0]).accepted("item:1") == Token("job-1", 8)
 
 
 def test_repeat_applies_by_default(engine: sa.Engine, tables: tuple[sa.Table, sa.Table]) -> None:
