@@ -72,8 +72,11 @@ class LeaseLost(LeaseError):
     sees it must stop producing effects.
 
     Attributes:
-        reason: a short machine-readable reason (see ``RefusalReason``), or
-            ``"deadline"`` when the local safe deadline passed.
+        reason: a short machine-readable reason: a ``RefusalReason`` value
+            (``"missing"``, ``"superseded"``, ``"released"``, ``"completed"``),
+            ``"deadline"`` when the local safe deadline passed, or
+            ``"expired"`` when a fenced transaction found the lease run out
+            by the database's clock.
     """
 
     def __init__(
