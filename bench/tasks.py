@@ -107,15 +107,15 @@ class Run:
         return sum(self.store_commands.values()) / self.tasks
 
 
-def _redis_servers() -> tuple[RedisServer, RedisServer]:
+def _redis_servers(store_appendfsync: str) -> tuple[RedisServer, RedisServer]:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     from tests.servers import RedisServer
 
-    # no persistence on the broker; the store keeps the AOF the docs ask
-    # for, with the everysec policy most deployments use
+    # the broker needs no persistence here; the store keeps the AOF the docs
+    # ask for, with the chosen fsync policy (later arguments win)
     broker = RedisServer("--appendonly", "no")
-    store = RedisServer("--appendfsync", "everysec")
+    store = RedisServer("--appendfsync", store_appendfsync)
     return broker, store
 
 
@@ -229,13 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ttl", type=float, default=30.0, help="lease TTL in seconds (30)")
     parser.add_argument(
+        "--store-appendfsync",
+        choices=("always", "everysec"),
+        default="everysec",
+        help="AOF fsync policy of the store's redis-server (everysec, the Redis default)",
+    )
+    parser.add_argument(
         "--show-commands",
         action="store_true",
         help="also print each leased run's store commands per task, by command",
     )
     args = parser.parse_args(argv)
 
-    broker, store = _redis_servers()
+    broker, store = _redis_servers(args.store_appendfsync)
     runs: list[Run] = []
     try:
         log_dir = Path(tempfile.mkdtemp(prefix="bench-tasks-"))
@@ -261,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
 
     print()
-    print(f"{args.tasks} tasks per run, -c {args.concurrency}, {args.rounds} rounds, alternated")
+    print(
+        f"{args.tasks} tasks per run, -c {args.concurrency}, {args.rounds} rounds, "
+        f"alternated; store appendfsync {args.store_appendfsync}"
+    )
     header = ("pool", "plain/s", "leased/s", "ratio", "target", "trips/task", "cmds/task")
     print("{:8} {:>9} {:>9} {:>6} {:>7} {:>11} {:>10}".format(*header))
     for pool in args.pools.split(","):

@@ -53,8 +53,10 @@ class AcceptanceConfig:
         on_lost: what a worker does when a lease is lost.
         visibility_timeout: seconds before the broker hands an unacked
             message to another worker.
-        soft_shutdown: seconds a warm shutdown waits for running tasks
-            before it stops them (0: wait until they finish).
+        soft_shutdown: seconds a cold shutdown waits for running tasks
+            before it stops them (``worker_soft_shutdown_timeout``).
+        clock_skew: seconds added to the worker's wall clock
+            (``time.time``), to act as a worker whose clock is off.
     """
 
     broker: str
@@ -68,6 +70,7 @@ class AcceptanceConfig:
     on_lost: str = "flag"
     visibility_timeout: float = 3600.0
     soft_shutdown: float = 0.0
+    clock_skew: float = 0.0
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -82,6 +85,7 @@ class AcceptanceConfig:
             "LEASES_TEST_ON_LOST": self.on_lost,
             "LEASES_TEST_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
             "LEASES_TEST_SOFT_SHUTDOWN": str(self.soft_shutdown),
+            "LEASES_TEST_CLOCK_SKEW": str(self.clock_skew),
         }
         if self.renew_interval is not None:
             env["LEASES_TEST_RENEW_INTERVAL"] = str(self.renew_interval)
@@ -109,6 +113,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         on_lost=env.get("LEASES_TEST_ON_LOST", "flag"),
         visibility_timeout=float(env.get("LEASES_TEST_VISIBILITY_TIMEOUT", "3600")),
         soft_shutdown=float(env.get("LEASES_TEST_SOFT_SHUTDOWN", "0")),
+        clock_skew=float(env.get("LEASES_TEST_CLOCK_SKEW", "0")),
     )
 
 
@@ -229,4 +234,21 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         return {"worker": self.request.hostname}
 
 
-app = make_app(config_from_env())
+def skew_wall_clock(seconds: float) -> None:
+    """Shift this process's ``time.time`` and ``time.time_ns`` by ``seconds``.
+
+    Code that imported the functions by name (``from time import time``)
+    keeps the true clock; everything that calls ``time.time()`` sees the
+    skewed one. Lease timing must not depend on it: it uses the store's
+    clock and ``time.monotonic``.
+    """
+    true_time, true_time_ns = time.time, time.time_ns
+    offset_ns = round(seconds * 1e9)
+    time.time = lambda: true_time() + seconds
+    time.time_ns = lambda: true_time_ns() + offset_ns
+
+
+_config = config_from_env()
+if _config.clock_skew:
+    skew_wall_clock(_config.clock_skew)
+app = make_app(_config)
