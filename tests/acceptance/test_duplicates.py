@@ -65,3 +65,22 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
     assert cluster.side.done_count(result.id) == 1
     succeeded = re.escape(f"Task {STEPS}[{result.id}] succeeded")
     assert len(re.findall(succeeded, worker_a.log() + worker_b.log())) == 1
+
+
+def test_delivery_of_completed_job_is_skipped(cluster: Cluster) -> None:
+    cluster.configure(ttl=TTL)
+    worker = cluster.worker("a")
+    result = cluster.send(STEPS, 0.1)
+    value = result.get(timeout=30)
+
+    cluster.send(STEPS, 0.1, task_id=result.id)
+    worker.wait_for_log(
+        rf"{re.escape(result.id)}.*already completed by generation {value['generation']}; skipping",
+        timeout=30,
+    )
+    assert cluster.side.done_count(result.id) == 1
+    assert len(cluster.side.events(result.id, "start")) == 1
+    record = cluster.record(result.id)
+    assert record is not None
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, value["generation"])
+    assert AsyncResult(result.id, app=cluster.new_app()).get(timeout=10) == value

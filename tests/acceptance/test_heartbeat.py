@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,7 +13,7 @@ from celery_leases import LeaseState
 from tests.acceptance.app import STEPS, WATCH
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import wait_until
-from tests.servers import RedisServer, ServerMissing
+from tests.servers import RedisServer
 
 TTL = 2.0
 RENEW_INTERVAL = TTL / 3
@@ -49,24 +48,6 @@ def test_heartbeat_keeps_a_task_five_times_its_ttl_alive(cluster: Cluster, pool:
     # 10 s renewed every 2/3 s is about 15 renewals; allow a loaded machine
     assert record.renew_count >= 8, record
     assert len(cluster.side.events(result.id, "start")) == 1
-
-
-@pytest.fixture
-def store_server() -> Iterator[RedisServer]:
-    """A redis-server of its own for the lease store, so it can be frozen
-    while the broker keeps working."""
-    try:
-        server = RedisServer()
-    except ServerMissing as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{exc} (CI=true: a missing server fails the run)")
-        pytest.skip(str(exc))
-    try:
-        yield server
-    finally:
-        assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGCONT)
-        server.close()
 
 
 def test_blocked_renewals_surface_lease_lost_within_one_renew_interval(
