@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,8 @@ from celery_leases import (
     RenewRequest,
 )
 from celery_leases.stores.memory import MemoryStore
+from celery_leases.stores.redis import RedisStore
+from celery_leases.stores.sql import SqlStore
 from tests.conftest import StoreFactory
 
 JOB = "job-1"
@@ -58,19 +61,19 @@ def force_generation(store: LeaseStore, job_id: str, generation: int) -> None:
     _rewrite(store, job_id, generation=generation)
 
 
-def _rewrite(store: LeaseStore, job_id: str, **fields: int) -> None:
+def _rewrite(store: LeaseStore, job_id: str, **fields: Any) -> None:
+    # Redis hash fields and SQL columns are the record's names without "_ms"
+    renamed = {name.removesuffix("_ms"): value for name, value in fields.items()}
     if isinstance(store, MemoryStore):
         store._data[job_id] = dataclasses.replace(store._data[job_id], **fields)
         return
-    if type(store).__name__ == "RedisStore":
-        # the record is a hash; field names are those of the record, "_ms" dropped
-        renamed = {name.removesuffix("_ms"): value for name, value in fields.items()}
-        store._client.hset(store.key(job_id), mapping=renamed)  # type: ignore[attr-defined]
+    if isinstance(store, RedisStore):
+        for name, value in renamed.items():
+            store._client.hset(store.key(job_id), name, value)
         return
-    if type(store).__name__ == "SqlStore":
-        table = store.table  # type: ignore[attr-defined]
-        renamed = {name.removesuffix("_ms"): value for name, value in fields.items()}
-        with store.engine.begin() as conn:  # type: ignore[attr-defined]
+    if isinstance(store, SqlStore):
+        table = store.table
+        with store.engine.begin() as conn:
             conn.execute(table.update().where(table.c.job_id == job_id).values(**renamed))
         return
     raise AssertionError(f"no way to edit records of {type(store).__name__} in this test")
