@@ -29,6 +29,7 @@ from celery_leases.stores.base import (
     RenewRequest,
     RenewResult,
     refusal_for,
+    ttl_to_ms,
 )
 
 __all__ = ["MemoryStore", "ManualClock"]
@@ -131,7 +132,7 @@ class MemoryStore(LeaseStore):
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
         with self._lock:
             return [
-                self._renew_locked(r.job_id, r.owner, r.generation, round(r.ttl * 1000))
+                self._renew_locked(r.job_id, r.owner, r.generation, ttl_to_ms(r.ttl))
                 for r in requests
             ]
 

@@ -23,6 +23,7 @@ import sqlite3
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -288,6 +289,12 @@ def _prepare_sqlite_engine(engine: Engine) -> None:
             "cannot share it; use a file (sqlite:///path/to/leases.db) or memory://"
         )
     _check_sqlite_version(sqlite3.sqlite_version_info)
+    folder = Path(str(engine.url.database)).parent
+    if not folder.is_dir():
+        raise LeaseConfigurationError(
+            f"the folder {folder} of the SQLite lease database does not exist; create it "
+            "first (every worker must open the same file)"
+        )
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
     # connections made before the hooks existed would lack them

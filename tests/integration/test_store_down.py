@@ -165,11 +165,6 @@ def test_postgres_down_raises_store_unavailable_then_recovers(
 # --- SQLite ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    raises=StoreUnavailable,
-    strict=True,
-    reason="the SQL store does not yet check the directory before creating its table",
-)
 def test_sqlite_path_in_a_missing_directory_is_a_configuration_error(tmp_path: Path) -> None:
     path = tmp_path / "no-such-dir" / "leases.db"
     with pytest.raises(LeaseConfigurationError) as info:
