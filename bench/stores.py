@@ -35,6 +35,7 @@ import os
 import platform
 import pstats
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -776,8 +777,14 @@ def bench_one(kind: str, args: argparse.Namespace) -> StoreBench | None:
     return bench
 
 
+def _stop_on_sigterm(signum: int, _frame: object) -> None:
+    # SystemExit unwinds through the finally blocks that stop the servers
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     print(f"celery-leases store benchmark: {machine_line()}")
     print(
         f"{args.ops} operations per case per round, {args.rounds} rounds, batch of {args.batch}, "
