@@ -205,6 +205,8 @@ def _run_once(
     done = []
     keys = list(backend.scan_iter("celery-task-meta-*", count=1000))
     for raw in backend.mget(keys):
+        if raw is None:
+            continue
         meta = json.loads(raw)
         done.append(datetime.fromisoformat(meta["date_done"]).timestamp())
     if len(done) < 2:

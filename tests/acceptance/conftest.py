@@ -204,7 +204,7 @@ def store_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def broker_url(redis_server: RedisServer) -> Iterator[str]:
+def broker_url(redis_server: RedisServer) -> str:
     """A flushed Redis database for broker, result backend and side channel."""
     db = next(_BROKER_DBS)
     url = f"redis://127.0.0.1:{redis_server.port}/{db}"

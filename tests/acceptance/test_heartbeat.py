@@ -51,7 +51,7 @@ def test_heartbeat_keeps_a_task_five_times_its_ttl_alive(cluster: Cluster, pool:
 
 
 def test_blocked_renewals_surface_lease_lost_within_one_renew_interval(
-    cluster: Cluster, store_server: RedisServer, unique: str
+    store_server: RedisServer, cluster: Cluster, unique: str
 ) -> None:
     cluster.configure(
         ttl=TTL,

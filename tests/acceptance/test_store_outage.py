@@ -14,7 +14,7 @@ TTL = 2.0
 
 
 def test_store_down_at_claim_defers_job_until_store_is_back(
-    cluster: Cluster, store_server: RedisServer, unique: str
+    store_server: RedisServer, cluster: Cluster, unique: str
 ) -> None:
     cluster.configure(ttl=TTL, store=store_server.url, store_options={"prefix": f"acc{unique}:"})
     worker = cluster.worker("a")
@@ -37,7 +37,7 @@ def test_store_down_at_claim_defers_job_until_store_is_back(
 
 
 def test_store_restart_while_held_keeps_the_lease_and_its_generation(
-    cluster: Cluster, store_server: RedisServer, unique: str
+    store_server: RedisServer, cluster: Cluster, unique: str
 ) -> None:
     """The store restarts on its own data (AOF) while a task holds a lease:
     the record survives, renewals resume, the job completes once with the
