@@ -26,12 +26,15 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
     B's deferred copy claims g+1 (a takeover), runs the body, completes
     """
     cluster.configure(ttl=TTL)
-    worker_a = cluster.worker("a")
+    workers = [cluster.worker("a"), cluster.worker("b")]
     result = cluster.send(STEPS, 4.0)
     (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
     generation_a = started_a["generation"]
+    # whichever worker took the job is A, the holder; the other is B
+    worker_a, worker_b = sorted(
+        workers, key=lambda w: not started_a["worker"].startswith(f"{w.name}@")
+    )
 
-    worker_b = cluster.worker("b")
     cluster.send(STEPS, 4.0, task_id=result.id)
     received = re.escape(f"Task {STEPS}[{result.id}] received")
     # the duplicate, then its re-published copy

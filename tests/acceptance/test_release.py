@@ -18,13 +18,13 @@ TTL = 2.0
 def test_retry_releases_and_next_attempt_claims_next_generation(cluster: Cluster) -> None:
     cluster.configure(ttl=TTL)
     cluster.worker("a")
-    result = cluster.send(RETRY_ONCE, 2.0)
+    result = cluster.send(RETRY_ONCE, 3.0)
     (first,) = cluster.side.wait_event(result.id, "attempt", timeout=30)
     generation = first["generation"]
 
     # during the countdown the lease is released, not held until it runs out
     released = cluster.wait_record(
-        result.id, state=LeaseState.RELEASED, timeout=1.5, message="the release before retrying"
+        result.id, state=LeaseState.RELEASED, timeout=2.5, message="the release before retrying"
     )
     assert released.generation == generation
     assert not released.is_live(cluster.store.now_ms())
