@@ -57,6 +57,7 @@ class AcceptanceConfig:
             before it stops them (``worker_soft_shutdown_timeout``).
         clock_skew: seconds added to the worker's wall clock
             (``time.time``), to act as a worker whose clock is off.
+        max_takeovers: ``leases_max_takeovers``, or None for the default.
     """
 
     broker: str
@@ -71,6 +72,7 @@ class AcceptanceConfig:
     visibility_timeout: float = 3600.0
     soft_shutdown: float = 0.0
     clock_skew: float = 0.0
+    max_takeovers: int | None = None
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -89,6 +91,8 @@ class AcceptanceConfig:
         }
         if self.renew_interval is not None:
             env["LEASES_TEST_RENEW_INTERVAL"] = str(self.renew_interval)
+        if self.max_takeovers is not None:
+            env["LEASES_TEST_MAX_TAKEOVERS"] = str(self.max_takeovers)
         return env
 
 
@@ -101,6 +105,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
     env = os.environ if environ is None else environ
     broker = env.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/0")
     renew = env.get("LEASES_TEST_RENEW_INTERVAL")
+    max_takeovers = env.get("LEASES_TEST_MAX_TAKEOVERS")
     return AcceptanceConfig(
         broker=broker,
         backend=env.get("LEASES_TEST_BACKEND", broker),
@@ -114,6 +119,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         visibility_timeout=float(env.get("LEASES_TEST_VISIBILITY_TIMEOUT", "3600")),
         soft_shutdown=float(env.get("LEASES_TEST_SOFT_SHUTDOWN", "0")),
         clock_skew=float(env.get("LEASES_TEST_CLOCK_SKEW", "0")),
+        max_takeovers=int(max_takeovers) if max_takeovers else None,
     )
 
 
@@ -141,6 +147,8 @@ def make_app(config: AcceptanceConfig) -> Celery:
     )
     if config.renew_interval is not None:
         celery_app.conf.leases_renew_interval = config.renew_interval
+    if config.max_takeovers is not None:
+        celery_app.conf.leases_max_takeovers = config.max_takeovers
     _register_tasks(celery_app, config)
     return celery_app
 

@@ -4,28 +4,26 @@ deferred copy finishes the job, once."""
 from __future__ import annotations
 
 import re
-import time
+from typing import Any
 
 from celery.result import AsyncResult
 
 from celery_leases import LeaseState
 from tests.acceptance.app import STEPS
 from tests.acceptance.conftest import Cluster
-from tests.acceptance.harness import wait_until
+from tests.acceptance.harness import Worker, wait_until
 
 TTL = 2.0
 
 
-def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster) -> None:
-    """Timeline (TTL 2 s, body 4 s)::
+def _holder_and_deferred_duplicate(
+    cluster: Cluster,
+) -> tuple[AsyncResult, dict[str, Any], Worker, Worker]:
+    """Start two workers, send a 4 s job, then its duplicate.
 
-    A claims generation g and runs the body
-    the same task id is sent again; B receives it, finds the lease held,
-        re-publishes it with a countdown and does not run the body
-    A is killed with SIGKILL (no release: its lease runs out)
-    B's deferred copy claims g+1 (a takeover), runs the body, completes
+    Returns the result, the holder's start event, the holder (A) and the
+    worker that received and deferred the duplicate (B).
     """
-    cluster.configure(ttl=TTL)
     workers = [cluster.worker("a"), cluster.worker("b")]
     result = cluster.send(STEPS, 4.0)
     (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
@@ -48,20 +46,33 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
     assert record is not None
     assert (record.state, record.generation) == (LeaseState.HELD, generation_a)
     assert cluster.side.done_count(result.id) == 0, "A finished before it could be killed"
+    return result, started_a, worker_a, worker_b
+
+
+def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster) -> None:
+    """Timeline (TTL 2 s, body 4 s)::
+
+    A claims generation g and runs the body
+    the same task id is sent again; B receives it, finds the lease held,
+        re-publishes it with a countdown and does not run the body
+    A is killed with SIGKILL (no release: its lease runs out)
+    B's deferred copy claims g+1 (a takeover), runs the body, completes
+    """
+    cluster.configure(ttl=TTL)
+    result, started_a, worker_a, worker_b = _holder_and_deferred_duplicate(cluster)
+    generation_a = started_a["generation"]
 
     worker_a.kill()
-    killed_at = time.monotonic()
 
     record = cluster.wait_record(
         result.id, state=LeaseState.COMPLETED, timeout=40, message="the deferred copy to finish"
     )
     assert record.generation == generation_a + 1
+    # B claimed A's run-out lease, not a released one
     assert record.takeovers == 1
-    # B only claimed once A's lease had run out
     (started_b,) = [e for e in cluster.side.events(result.id, "start") if e != started_a]
     assert started_b["generation"] == generation_a + 1
     assert started_b["worker"].startswith(f"{worker_b.name}@")
-    assert time.monotonic() - killed_at < 40
 
     value = AsyncResult(result.id, app=cluster.new_app()).get(timeout=10)
     assert value == {"worker": started_b["worker"], "generation": generation_a + 1}
@@ -87,3 +98,25 @@ def test_delivery_of_completed_job_is_skipped(cluster: Cluster) -> None:
     assert record is not None
     assert (record.state, record.generation) == (LeaseState.COMPLETED, value["generation"])
     assert AsyncResult(result.id, app=cluster.new_app()).get(timeout=10) == value
+
+
+def test_takeover_past_limit_fails_job_without_running_it(cluster: Cluster) -> None:
+    """With ``leases_max_takeovers = 0`` the first takeover (the holder was
+    killed) marks the job as poison: completed in the store, failed in the
+    backend, its body not run again."""
+    cluster.configure(ttl=TTL, max_takeovers=0)
+    result, started_a, worker_a, _ = _holder_and_deferred_duplicate(cluster)
+
+    worker_a.kill()
+    record = cluster.wait_record(
+        result.id, state=LeaseState.COMPLETED, timeout=40, message="the poison verdict"
+    )
+    assert record.generation == started_a["generation"] + 1
+    assert record.takeovers == 1
+    result.get(timeout=20, propagate=False)
+    assert result.state == "FAILURE"
+    assert "took over a run-out lease 1 times (limit 0)" in str(result.result)
+    # the backend names the error's own class, which needs it to survive pickling
+    assert type(result.result).__name__ == "TakeoverLimitExceeded"
+    assert cluster.side.events(result.id, "start") == [started_a]
+    assert cluster.side.done_count(result.id) == 0
