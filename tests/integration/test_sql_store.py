@@ -747,6 +747,58 @@ def test_single_operations_are_one_statement_when_they_succeed(sql_store: SqlSto
     assert len(log.statements) == 3
 
 
+class CompiledLog:
+    """The statement objects an engine runs, and whether the compiled cache had them."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.runs: list[tuple[Any, bool]] = []
+
+    def _record(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        context = args[1]
+        if context.compiled is not None:  # not BEGIN IMMEDIATE and the like
+            hit = context.cache_hit is context.dialect.CACHE_HIT
+            self.runs.append((context.invoked_statement, hit))
+
+    def __enter__(self) -> CompiledLog:
+        event.listen(self.engine, "after_cursor_execute", self._record)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        event.remove(self.engine, "after_cursor_execute", self._record)
+
+
+def _every_operation(store: SqlStore, job_id: str) -> None:
+    """Claim, a refused claim, renew, renew_many, release, complete, get, now, purge."""
+    acquired = _acquire(store, job_id)
+    assert isinstance(store.claim(job_id, B, 10), HeldElsewhere)
+    assert isinstance(store.renew(job_id, A, acquired.generation, 10), Renewed)
+    requests = [RenewRequest(job_id, owner, acquired.generation, 10) for owner in (A, B)]
+    assert [type(r) for r in store.renew_many(requests)] == [Renewed, Refusal]
+    assert isinstance(store.release(job_id, A, acquired.generation), Released)
+    again = _acquire(store, job_id)
+    assert isinstance(store.complete(job_id, A, again.generation), Completed)
+    assert isinstance(store.complete(job_id, A, again.generation), Refusal)
+    assert store.get(job_id) is not None
+    store.now_ms()
+    store.purge_completed(3600)
+
+
+def test_operations_run_statements_built_once_from_the_compiled_cache(
+    sql_store: SqlStore,
+) -> None:
+    # Building a statement costs more Python than its round trip, so each is
+    # built once per store and found in the engine's compiled cache after.
+    _every_operation(sql_store, "warm-up")
+    with CompiledLog(sql_store.engine) as first:
+        _every_operation(sql_store, "job-1")
+    with CompiledLog(sql_store.engine) as second:
+        _every_operation(sql_store, "job-2")
+    assert len(first.runs) == len(second.runs) >= 12
+    assert all(a is b for (a, _), (b, _) in zip(first.runs, second.runs, strict=True))
+    assert all(hit for _, hit in first.runs + second.runs)
+
+
 def test_renew_many_of_a_thousand_is_much_cheaper_than_a_thousand_renews(
     sql_store: SqlStore,
 ) -> None:
