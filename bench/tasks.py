@@ -23,8 +23,10 @@ This file is also the worker's app: the worker imports it as ``tasks``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -197,8 +199,10 @@ def _run_once(
         worker.terminate()
         try:
             worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        finally:
+            # the worker leads its own process group: no pool child outlives it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
     commands = _store_commands(store)
 
