@@ -197,13 +197,12 @@ def _run_once(
             time.sleep(0.05)
     finally:
         worker.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             worker.wait(timeout=30)
-        finally:
-            # the worker leads its own process group: no pool child outlives it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        # the worker leads its own process group: no pool child outlives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
     commands = _store_commands(store)
 
     done = []
