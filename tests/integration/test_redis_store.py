@@ -226,6 +226,64 @@ def test_every_operation_recovers_from_a_flushed_script_cache(
     assert redis_store.get("job-a") is None
 
 
+def test_each_operation_is_one_evalsha_in_one_request(
+    redis_server: RedisServer, raw: redis.Redis, unique: str
+) -> None:
+    store = RedisStore.from_url(
+        redis_server.url, prefix=f"t{unique}:", connection_class=CountingConnection
+    )
+    try:
+        # load every script once (a fresh server answers NOSCRIPT first)
+        warm = store.claim("warm-up", "worker-a", 30)
+        assert isinstance(warm, Acquired)
+        store.renew("warm-up", "worker-a", warm.generation, 30)
+        store.release("warm-up", "worker-a", warm.generation)
+        again = store.claim("warm-up", "worker-a", 30)
+        assert isinstance(again, Acquired)
+        store.complete("warm-up", "worker-a", again.generation)
+
+        before = commandstats(raw)
+        sends_before = CountingConnection.sends
+        first = store.claim("job-a", "worker-a", 30)
+        assert isinstance(first, Acquired)
+        assert isinstance(store.renew("job-a", "worker-a", first.generation, 30), Renewed)
+        assert isinstance(store.release("job-a", "worker-a", first.generation), Released)
+        second = store.claim("job-a", "worker-a", 30)
+        assert isinstance(second, Acquired)
+        assert isinstance(store.complete("job-a", "worker-a", second.generation), Completed)
+        sends = CountingConnection.sends - sends_before
+        after = commandstats(raw)
+    finally:
+        store.close()
+    assert sends == 5
+    assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 5
+    for name in ("cmdstat_script|load", "cmdstat_script|exists", "cmdstat_eval"):
+        assert after.get(name, 0) == before.get(name, 0)
+
+
+def test_first_claim_writes_the_record_once_and_deletes_nothing(
+    redis_store: RedisStore, raw: redis.Redis
+) -> None:
+    redis_store.claim("warm-up", "worker-a", 30)  # the script is loaded
+    before = commandstats(raw)
+    first = redis_store.claim("job-a", "worker-a", 0.05)
+    assert isinstance(first, Acquired)
+    after = commandstats(raw)
+    calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    assert (calls["cmdstat_hmget"], calls["cmdstat_hset"]) == (1, 1)
+    assert calls.get("cmdstat_hdel", 0) == 0
+
+    # a claim over an old record clears the previous holder's times
+    redis_store.renew("job-a", "worker-a", first.generation, 0.05)
+    time.sleep(0.1)
+    second = redis_store.claim("job-a", "worker-b", 30)
+    assert isinstance(second, Acquired)
+    assert "renewed_at" not in raw.hgetall(redis_store.key("job-a"))
+    record = redis_store.get("job-a")
+    assert record is not None
+    assert (record.owner, record.renewed_at_ms, record.renew_count) == ("worker-b", None, 0)
+
+
 def test_refusals_name_the_current_record_from_one_reply(redis_store: RedisStore) -> None:
     first = redis_store.claim("job-a", "worker-a", 0.05)
     assert isinstance(first, Acquired)
