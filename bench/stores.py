@@ -367,14 +367,18 @@ class Opened:
     cleanup: list[Callable[[], None]]
 
 
-def open_kind(kind: str, fsync: str, unique: str) -> Opened:
+def open_kind(kind: str, fsync: str, unique: str, pre_ping: bool = True) -> Opened:
     """Start the server for ``kind`` (if any) and open a store on it.
+
+    ``pre_ping`` is the ``pool_pre_ping`` of the PostgreSQL engine (the
+    store's default is on).
 
     Raises:
         ServerMissing: the server's binaries are not installed.
         LeaseError: the store could not be opened.
     """
     cleanup: list[Callable[[], None]] = []
+    options: dict[str, Any]
     try:
         if kind == "memory":
             url, options = "memory://", {}
@@ -385,7 +389,8 @@ def open_kind(kind: str, fsync: str, unique: str) -> Opened:
         elif kind == "postgres":
             pg_server = PostgresServer()
             cleanup.append(pg_server.close)
-            url, options = pg_server.url, {"table_name": f"bench_{unique}"}
+            url = pg_server.url
+            options = {"table_name": f"bench_{unique}", "pool_pre_ping": pre_ping}
         elif kind == "sqlite":
             folder = tempfile.mkdtemp(prefix="leases-bench-sqlite-")
             cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
@@ -445,16 +450,17 @@ def _per_op_us(loop: Callable[[], object], n: int) -> float:
 
 
 def _redis_split_round(
-    store: LeaseStore, client: Any, n: int, ttl: float, scripts: tuple[Any, Any]
-) -> dict[str, float]:
-    """One round of :func:`split_redis`: microseconds per operation, by step."""
-    claim_script, complete_script = scripts
+    store: LeaseStore, client: Any, n: int, ttl: float, shas: tuple[str, str]
+) -> dict[str, tuple[float, float]]:
+    """One round of :func:`split_redis`: (total, in Redis) microseconds per operation."""
+    claim_sha, complete_sha = shas
     key = store.key  # type: ignore[attr-defined]
     owner, ttl_ms = f"bench-split-{os.getpid()}", round(ttl * 1000)
     jobs = [f"bench-split-{uuid.uuid4().hex}" for _ in range(n)]
     scripted = [f"bench-split-{uuid.uuid4().hex}" for _ in range(n)]
     got: list[Any] = []
     raw: list[Any] = []
+    locks = [client.lock(f"bench-split-lock:{uuid.uuid4().hex}", timeout=ttl) for _ in range(n)]
 
     def claims() -> None:
         got.extend(store.claim(job_id, owner, ttl) for job_id in jobs)
@@ -464,49 +470,69 @@ def _redis_split_round(
             store.complete(lease.job_id, owner, lease.generation)
 
     def claim_scripts() -> None:
-        raw.extend(claim_script(keys=[key(j)], args=[owner, ttl_ms, ""]) for j in scripted)
+        raw.extend(client.evalsha(claim_sha, 1, key(j), owner, ttl_ms, "") for j in scripted)
 
     def complete_scripts() -> None:
         for job_id, reply in zip(scripted, raw, strict=True):
-            complete_script(keys=[key(job_id)], args=[owner, reply[1]])
+            client.evalsha(complete_sha, 1, key(job_id), owner, reply[1])
 
-    def set_nx() -> None:
-        for job_id in jobs:
-            client.set(f"bench-split:{job_id}", "1", nx=True, px=ttl_ms)
+    def lock_acquires() -> None:
+        for lock in locks:
+            lock.acquire(blocking=False)
+
+    def lock_releases() -> None:
+        for lock in locks:
+            lock.release()
 
     def pings() -> None:
         for _ in range(n):
             client.ping()
 
     steps = {
-        "claim (store)": claims,
-        "complete (store)": completes,
-        "claim (Lua script)": claim_scripts,
-        "complete (Lua script)": complete_scripts,
-        "SET NX PX": set_nx,
-        "PING": pings,
+        "claim (store)": (claims, "evalsha"),
+        "complete (store)": (completes, "evalsha"),
+        "claim (bare EVALSHA)": (claim_scripts, "evalsha"),
+        "complete (bare EVALSHA)": (complete_scripts, "evalsha"),
+        "Lock acquire (SET NX PX)": (lock_acquires, "set"),
+        "Lock release (script)": (lock_releases, "evalsha"),
+        "PING": (pings, "ping"),
     }
-    return {name: _per_op_us(loop, n) for name, loop in steps.items()}
+    result = {}
+    for name, (loop, command) in steps.items():
+        client.config_resetstat()
+        total = _per_op_us(loop, n)
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        result[name] = (total, float(stats.get("usec_per_call", 0.0)))
+    return result
 
 
 def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) -> None:
-    """Per-operation time of claim and complete against their bare Lua scripts.
+    """Per-operation time of claim and complete, their bare scripts and ``Lock``'s steps.
 
-    The scripts (``CLAIM_SCRIPT``, ``COMPLETE_SCRIPT``) run through redis-py's
-    ``Script`` on the same client, so ``store - script`` is the library's own
-    Python cost and ``script - PING`` what the script and its AOF write cost.
+    The bare scripts (``CLAIM_SCRIPT``, ``COMPLETE_SCRIPT``) run with
+    ``client.evalsha`` on the same client, so ``store - bare`` is the
+    library's own Python cost. ``in Redis`` is the server's own time per
+    command (``INFO commandstats``, reset before each step): it leaves out
+    the network, the client and the AOF fsync, which Redis does after the
+    command, before it answers.
     """
     from celery_leases.stores.redis import CLAIM_SCRIPT, COMPLETE_SCRIPT
 
     client, _ = _redis_client(store, url)
-    scripts = (client.register_script(CLAIM_SCRIPT), client.register_script(COMPLETE_SCRIPT))
-    samples: dict[str, list[float]] = {}
+    shas = (_text(client.script_load(CLAIM_SCRIPT)), _text(client.script_load(COMPLETE_SCRIPT)))
+    samples: dict[str, list[tuple[float, float]]] = {}
     for _ in range(rounds):
-        for name, value in _redis_split_round(store, client, n, ttl, scripts).items():
+        for name, value in _redis_split_round(store, client, n, ttl, shas).items():
             samples.setdefault(name, []).append(value)
     print(f"\nredis: microseconds per operation, median of {rounds} rounds of {n}")
+    print(f"  {'operation':<26} {'total':>7} {'in Redis':>9}")
     for name, values in samples.items():
-        print(f"  {name:<24} {_median(values):>8.0f}")
+        total, inside = (_median([v[i] for v in values]) for i in range(2))
+        print(f"  {name:<26} {total:>7.0f} {inside:>9.1f}")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _DriverClock:
@@ -730,6 +756,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="always",
         help="AOF fsync policy of the throwaway redis-server (default: always, as in the tests)",
     )
+    parser.add_argument(
+        "--postgres-pre-ping",
+        choices=("on", "off"),
+        default="on",
+        help="pool_pre_ping of the PostgreSQL engine, for the store and SELECT 1 alike "
+        "(default: on, the store's default)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument(
         "--split",
@@ -757,7 +790,8 @@ def bench_one(kind: str, args: argparse.Namespace) -> StoreBench | None:
     """Start, measure and stop one store; ``None`` when it is not available."""
     started = time.perf_counter()
     try:
-        opened = open_kind(kind, args.redis_appendfsync, uuid.uuid4().hex[:10])
+        pre_ping = args.postgres_pre_ping == "on"
+        opened = open_kind(kind, args.redis_appendfsync, uuid.uuid4().hex[:10], pre_ping)
     except (ServerMissing, LeaseError) as exc:
         print(f"{kind}: skipped, {exc}")
         return None
@@ -788,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"celery-leases store benchmark: {machine_line()}")
     print(
         f"{args.ops} operations per case per round, {args.rounds} rounds, batch of {args.batch}, "
-        f"redis appendfsync {args.redis_appendfsync}"
+        f"redis appendfsync {args.redis_appendfsync}, postgres pre-ping {args.postgres_pre_ping}"
     )
     benches = [b for b in (bench_one(kind, args) for kind in args.kinds) if b is not None]
     if not benches:
