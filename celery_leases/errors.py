@@ -7,6 +7,8 @@ handles differently.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "LeaseConfigurationError",
     "LeaseError",
@@ -40,6 +42,12 @@ class LeaseError(Exception):
         self.owner = owner
         self.generation = generation
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild with the same class and attributes: the default pickling
+        # calls cls(message) and drops them. A result backend that stores the
+        # error (and serializers that call cls(*args)) must get it back whole.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
 
 class LeaseHeld(LeaseError):
     """Another worker holds a live lease on the job.
@@ -53,10 +61,10 @@ class LeaseHeld(LeaseError):
         self,
         message: str,
         *,
-        job_id: str,
-        holder: str,
-        generation: int,
-        remaining: float,
+        job_id: str | None = None,
+        holder: str = "",
+        generation: int | None = None,
+        remaining: float = 0.0,
     ) -> None:
         super().__init__(message, job_id=job_id, owner=holder, generation=generation)
         self.holder = holder
@@ -83,10 +91,10 @@ class LeaseLost(LeaseError):
         self,
         message: str,
         *,
-        job_id: str,
-        owner: str | None,
-        generation: int | None,
-        reason: str,
+        job_id: str | None = None,
+        owner: str | None = None,
+        generation: int | None = None,
+        reason: str = "",
     ) -> None:
         super().__init__(message, job_id=job_id, owner=owner, generation=generation)
         self.reason = reason
@@ -104,10 +112,10 @@ class StaleFencingToken(LeaseError):
         self,
         message: str,
         *,
-        job_id: str | None,
-        generation: int,
-        resource: str,
-        accepted: int | None,
+        job_id: str | None = None,
+        generation: int | None = None,
+        resource: str = "",
+        accepted: int | None = None,
     ) -> None:
         super().__init__(message, job_id=job_id, generation=generation)
         self.resource = resource
@@ -145,11 +153,11 @@ class TakeoverLimitExceeded(LeaseError):
         self,
         message: str,
         *,
-        job_id: str,
-        owner: str,
-        generation: int,
-        takeovers: int,
-        limit: int,
+        job_id: str | None = None,
+        owner: str | None = None,
+        generation: int | None = None,
+        takeovers: int = 0,
+        limit: int = 0,
     ) -> None:
         super().__init__(message, job_id=job_id, owner=owner, generation=generation)
         self.takeovers = takeovers
@@ -157,6 +165,13 @@ class TakeoverLimitExceeded(LeaseError):
 
 
 __all__ += ["TakeoverLimitExceeded"]
+
+
+def _rebuild(cls: type[LeaseError], args: tuple[Any, ...], state: dict[str, Any]) -> LeaseError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class LeaseStoreWarning(UserWarning):
