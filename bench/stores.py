@@ -134,6 +134,14 @@ def timed(loop: Callable[[], object]) -> float:
         return time.perf_counter() - start
 
 
+def timed_with_cpu(loop: Callable[[], object]) -> tuple[float, float]:
+    """Run ``loop`` once: the seconds it took, and this process's CPU seconds in it."""
+    with _quiet_gc():
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loop()
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+
 def run_rounds(bench: StoreBench, n: int, rounds: int) -> None:
     """Run every case once per round, rotating their order between rounds."""
     names = list(bench.cases)
@@ -470,8 +478,8 @@ def _per_op_us(loop: Callable[[], object], n: int) -> float:
 
 def _redis_split_round(
     store: LeaseStore, client: Any, n: int, ttl: float, shas: tuple[str, str]
-) -> dict[str, tuple[float, float]]:
-    """One round of :func:`split_redis`: (total, in Redis) microseconds per operation."""
+) -> dict[str, tuple[float, float, float]]:
+    """One round of :func:`split_redis`: (total, client CPU, in Redis) us per operation."""
     claim_sha, complete_sha = shas
     key = store.key  # type: ignore[attr-defined]
     owner, ttl_ms = f"bench-split-{os.getpid()}", round(ttl * 1000)
@@ -519,9 +527,10 @@ def _redis_split_round(
     result = {}
     for name, (loop, command) in steps.items():
         client.config_resetstat()
-        total = _per_op_us(loop, n)
+        seconds, cpu_seconds = timed_with_cpu(loop)
         stats = client.info("commandstats").get(f"cmdstat_{command}", {})
-        result[name] = (total, float(stats.get("usec_per_call", 0.0)))
+        in_redis = float(stats.get("usec_per_call", 0.0))
+        result[name] = (seconds / n * 1e6, cpu_seconds / n * 1e6, in_redis)
     return result
 
 
@@ -530,24 +539,26 @@ def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) ->
 
     The bare scripts (``CLAIM_SCRIPT``, ``COMPLETE_SCRIPT``) run with
     ``client.evalsha`` on the same client, so ``store - bare`` is the
-    library's own Python cost. ``in Redis`` is the server's own time per
-    command (``INFO commandstats``, reset before each step): it leaves out
-    the network, the client and the AOF fsync, which Redis does after the
-    command, before it answers.
+    library's own Python cost. ``client CPU`` is this process's CPU time per
+    operation (redis-py, the library, the socket calls): steadier than the
+    wall-clock difference on a busy machine. ``in Redis`` is the server's
+    own time per command (``INFO commandstats``, reset before each step): it
+    leaves out the network, the client and the AOF fsync, which Redis does
+    after the command, before it answers.
     """
     from celery_leases.stores.redis import CLAIM_SCRIPT, COMPLETE_SCRIPT
 
     client, _ = _redis_client(store, url)
     shas = (_text(client.script_load(CLAIM_SCRIPT)), _text(client.script_load(COMPLETE_SCRIPT)))
-    samples: dict[str, list[tuple[float, float]]] = {}
+    samples: dict[str, list[tuple[float, float, float]]] = {}
     for _ in range(rounds):
         for name, value in _redis_split_round(store, client, n, ttl, shas).items():
             samples.setdefault(name, []).append(value)
     print(f"\nredis: microseconds per operation, median of {rounds} rounds of {n}")
-    print(f"  {'operation':<26} {'total':>7} {'in Redis':>9}")
+    print(f"  {'operation':<26} {'total':>7} {'client CPU':>11} {'in Redis':>9}")
     for name, values in samples.items():
-        total, inside = (_median([v[i] for v in values]) for i in range(2))
-        print(f"  {name:<26} {total:>7.0f} {inside:>9.1f}")
+        total, cpu, inside = (_median([v[i] for v in values]) for i in range(3))
+        print(f"  {name:<26} {total:>7.0f} {cpu:>11.1f} {inside:>9.1f}")
 
 
 def _text(value: Any) -> str:
