@@ -354,7 +354,7 @@ def sql_cases(store: LeaseStore, kind: str) -> dict[str, Case]:
 
     On PostgreSQL also in autocommit, as the store runs its statements: a
     plain ``engine.connect()`` adds a BEGIN and a ROLLBACK around the query,
-    one more round trip than the store pays.
+    two round trips the store does not pay.
     """
     from sqlalchemy import text
 
