@@ -499,6 +499,7 @@ class _Statements:
 
     @classmethod
     def build(cls, table: sa.Table, dialect: _Dialect) -> _Statements:
+        """Build every statement for ``table`` in ``dialect``."""
         t = table
         n = _now_row(dialect)
         renew_now = _now_once(dialect)
