@@ -50,6 +50,9 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
         self._wake = threading.Event()
+        #: when the sleeping thread wakes up by itself (local clock); +inf
+        #: while it is awake, so a lease added then always wakes it again
+        self._sleeping_until = float("inf")
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.pid = os.getpid()
@@ -66,7 +69,11 @@ class Heartbeat:
                     target=self._run, name="celery-leases-heartbeat", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+            # Wake the thread only if it would sleep past this lease's first
+            # renewal: waking it for every short task costs a thread switch.
+            wake = min(lease.next_renew_at, lease.deadline) < self._sleeping_until
+        if wake:
+            self._wake.set()
 
     def remove(self, lease: Lease) -> None:
         """Stop renewing ``lease``."""
@@ -101,8 +108,13 @@ class Heartbeat:
             except Exception as exc:
                 self._fail_all(exc)
                 wait = MAX_RETRY_WAIT
-            self._wake.wait(max(MIN_WAIT, wait))
+            wait = max(MIN_WAIT, wait)
+            with self._lock:
+                self._sleeping_until = self._clock() + wait
+            self._wake.wait(wait)
             self._wake.clear()
+            with self._lock:
+                self._sleeping_until = float("inf")
 
     def tick(self) -> float:
         """Expire, then renew what is due; returns seconds until the next tick."""

@@ -16,6 +16,7 @@ renewal or a passed deadline makes the lease lost for good.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import secrets
@@ -42,7 +43,12 @@ def make_owner() -> str:
     Made per claim, never at import: forked pool children would share a
     token made before the fork, and a stale child would pass the owner check.
     """
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+    return f"{_hostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+
+
+@functools.lru_cache(maxsize=1)
+def _hostname() -> str:
+    return socket.gethostname()
 
 
 class Lease:

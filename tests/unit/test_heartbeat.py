@@ -203,3 +203,33 @@ def test_the_thread_is_a_daemon(heartbeat: Heartbeat) -> None:
     threads = [t for t in threading.enumerate() if t.name == "celery-leases-heartbeat"]
     assert threads
     assert all(t.daemon for t in threads)
+
+
+def _lease_with(store: MemoryStore, job_id: str, timing: LeaseTiming) -> Lease:
+    owner = make_owner()
+    started = time.monotonic()
+    result = store.claim(job_id, owner, timing.ttl)
+    assert isinstance(result, Acquired)
+    return Lease(
+        job_id=job_id,
+        owner=owner,
+        generation=result.generation,
+        lease_until_ms=result.lease_until_ms,
+        started_at=started,
+        store=store,
+        timing=timing,
+    )
+
+
+def test_a_lease_due_sooner_wakes_a_thread_asleep_for_a_long_lease(
+    heartbeat: Heartbeat,
+) -> None:
+    store = RecordingStore()
+    slow = LeaseTiming(ttl=300.0, renew_interval=100.0, drift_margin=1.0)
+    heartbeat.add(_lease_with(store, "slow", slow))
+    # the thread has gone to sleep for about the long lease's interval
+    assert wait_for(lambda: heartbeat._sleeping_until != float("inf"))
+    fast = _lease_with(store, "fast", TIMING)
+    heartbeat.add(fast)
+    assert wait_for(lambda: (r := store.get("fast")) is not None and r.renew_count >= 2)
+    assert not fast.lost
