@@ -29,6 +29,7 @@ from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.stores import open_store
 from celery_leases.stores.base import Released
 
 __all__ = ["LeasesStep", "check_app", "in_prefork_child", "install", "release_held_leases"]
@@ -164,8 +165,16 @@ def check_app(app: Any, *, pool: str = "") -> list[str]:
     """
     from celery_leases.task import LeasedTask, settings_for
 
-    settings_for(app)
+    settings = settings_for(app)
     warnings: list[str] = []
+    # opening the store checks its URL, options and driver now, not at the
+    # first task; an unreachable store is fine (claims defer until it is back)
+    try:
+        open_store(settings.store_url, **dict(settings.store_options)).close()
+    except StoreUnavailable as exc:
+        warnings.append(
+            f"the lease store cannot be reached now ({exc}); leased tasks are deferred until it can"
+        )
     visibility = _visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
     for task in list(app.tasks.values()):

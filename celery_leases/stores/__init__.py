@@ -46,6 +46,19 @@ def open_store(url: str, **options: Any) -> LeaseStore:
             "postgresql+psycopg://user@host/db, sqlite:///path/to/file.db or memory://"
         )
     scheme = url.split("://", 1)[0].lower()
+    try:
+        return _open(scheme, url, options)
+    except TypeError as exc:
+        if "keyword argument" not in str(exc):
+            raise
+        # an option the store does not take (prefix= on a SQL store, say)
+        raise LeaseConfigurationError(
+            f"lease store {scheme}:// does not take the options {sorted(options)}: {exc}; "
+            "check leases_store_options"
+        ) from exc
+
+
+def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
     if scheme == "memory":
         from celery_leases.stores.memory import MemoryStore
 

@@ -42,3 +42,8 @@ def test_not_a_url_is_a_configuration_error(url: object) -> None:
 def test_url_errors_are_lease_errors() -> None:
     with pytest.raises(LeaseError):
         open_store("nope")
+
+
+def test_an_option_the_store_does_not_take_is_a_configuration_error() -> None:
+    with pytest.raises(LeaseConfigurationError, match="leases_store_options"):
+        open_store("memory://", prefix="leases:")

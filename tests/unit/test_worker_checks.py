@@ -1,0 +1,59 @@
+"""Checks run when a worker starts: the store is opened once, early."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from celery_leases import LeaseConfigurationError, LeasedTask
+from celery_leases.task import forget_runtime
+from celery_leases.worker import check_app
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("checks", set_as_current=False)
+    yield app
+    forget_runtime(app)
+    app.close()
+
+
+def _leased(app: Celery) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+
+
+def test_bad_store_options_stop_the_worker_at_start(app: Celery) -> None:
+    app.conf.leases_store = "memory://"
+    app.conf.leases_store_options = {"prefix": "x:"}
+    _leased(app)
+    with pytest.raises(LeaseConfigurationError, match="leases_store_options"):
+        check_app(app, pool="prefork")
+
+
+def test_a_store_in_a_missing_folder_stops_the_worker_at_start(app: Celery, tmp_path: Path) -> None:
+    app.conf.leases_store = f"sqlite:///{tmp_path / 'missing' / 'leases.db'}"
+    _leased(app)
+    with pytest.raises(LeaseConfigurationError, match="does not exist"):
+        check_app(app, pool="prefork")
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:1/0", "postgresql+psycopg://postgres@127.0.0.1:1/leases"],
+    ids=["redis", "postgres"],
+)
+def test_an_unreachable_store_does_not_stop_the_worker(app: Celery, url: str) -> None:
+    # nothing listens on port 1: claims defer until the store is back
+    app.conf.leases_store = url
+    _leased(app)
+    warnings = check_app(app, pool="prefork")
+    if url.startswith("postgresql"):
+        # opening a SQL store makes its table, so it notices at once
+        assert any("cannot be reached" in w for w in warnings)
