@@ -202,6 +202,14 @@ def check_app(app: Any, *, pool: str = "") -> list[str]:
                 "again and deferred over and over; raise broker_transport_options"
                 "['visibility_timeout'] well above your longest run"
             )
+        time_limit = task.time_limit or app.conf.task_time_limit
+        if visibility is not None and time_limit and time_limit > visibility:
+            warnings.append(
+                f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
+                f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
+                "delivered again while it runs; the copy is deferred, not run, but raise "
+                "broker_transport_options['visibility_timeout'] above the time limit"
+            )
         if not task.reject_on_worker_lost:
             warnings.append(
                 f"task {task.name!r} has reject_on_worker_lost=False: when a worker is "

@@ -57,3 +57,24 @@ def test_an_unreachable_store_does_not_stop_the_worker(app: Celery, url: str) ->
     if url.startswith("postgresql"):
         # opening a SQL store makes its table, so it notices at once
         assert any("cannot be reached" in w for w in warnings)
+
+
+def test_a_time_limit_past_the_visibility_timeout_is_reported(app: Celery) -> None:
+    app.conf.leases_store = "memory://"
+    app.conf.leases_ttl = 30
+    app.conf.broker_url = "redis://127.0.0.1:1/0"
+    app.conf.broker_transport_options = {"visibility_timeout": 3600}
+
+    @app.task(shared=False, base=LeasedTask, bind=True, time_limit=7200)
+    def long_job(self: LeasedTask) -> None:
+        pass
+
+    @app.task(shared=False, base=LeasedTask, bind=True, time_limit=600)
+    def short_job(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    reported = [w for w in check_app(app, pool="prefork") if "time_limit" in w]
+    assert len(reported) == 1
+    assert "long_job" in reported[0]
+    assert "7200 s" in reported[0]
