@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -28,12 +29,14 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """A redis-server shared by the session (one DB per test is not needed:
-    every test uses its own key prefix)."""
+Server = TypeVar("Server", RedisServer, PostgresServer)
+
+
+def serve(make: Callable[[], Server]) -> Generator[Server, None, None]:
+    """Start a server for a fixture, skip (or fail in CI) if it is missing,
+    and close it when the fixture ends."""
     try:
-        server = RedisServer()
+        server = make()
     except ServerMissing as exc:
         _unavailable(str(exc))
         raise  # unreachable: _unavailable raises
@@ -44,16 +47,15 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server shared by the session (one DB per test is not needed:
+    every test uses its own key prefix)."""
+    yield from serve(RedisServer)
+
+
+@pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
-    try:
-        server = PostgresServer()
-    except ServerMissing as exc:
-        _unavailable(str(exc))
-        raise
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from serve(PostgresServer)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -32,7 +32,8 @@ from celery_leases import (
 )
 from celery_leases.stores.base import Refusal
 from celery_leases.stores.redis import RedisConfigWarning, RedisStore, mask_url
-from tests.servers import RedisServer, ServerMissing, free_port
+from tests.conftest import serve
+from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -66,18 +67,15 @@ ServerFactory = Callable[..., RedisServer]
 @pytest.fixture
 def own_redis() -> Iterator[ServerFactory]:
     """Starts redis-servers of this test alone (to restart, stop or misconfigure)."""
-    started: list[RedisServer] = []
+    running: list[Generator[RedisServer, None, None]] = []
 
     def start(*extra_args: str) -> RedisServer:
-        try:
-            server = RedisServer(*extra_args)
-        except ServerMissing as exc:
-            pytest.skip(str(exc))
-        started.append(server)
-        return server
+        server = serve(lambda: RedisServer(*extra_args))
+        running.append(server)  # keeps it alive; closing it stops the server
+        return next(server)
 
     yield start
-    for server in started:
+    for server in running:
         server.close()
 
 

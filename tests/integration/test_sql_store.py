@@ -40,7 +40,7 @@ from celery_leases import (
 )
 from celery_leases.stores import sql
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
-from tests.servers import PostgresServer, ServerMissing
+from tests.servers import PostgresServer
 
 A = "worker-a"
 B = "worker-b"
@@ -93,17 +93,9 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="module")
 def own_postgres() -> Iterator[PostgresServer]:
     """A PostgreSQL of this module's own, for tests that stop or restart it."""
-    try:
-        server = PostgresServer()
-    except ServerMissing as exc:
-        from tests.conftest import _unavailable
+    from tests.conftest import serve
 
-        _unavailable(str(exc))
-        raise
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from serve(PostgresServer)
 
 
 @pytest.fixture

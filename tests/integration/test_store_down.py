@@ -36,8 +36,8 @@ from celery_leases import (
     StoreUnavailable,
     open_store,
 )
-from tests.conftest import IN_CI
-from tests.servers import PostgresServer, RedisServer, ServerMissing
+from tests.conftest import serve
+from tests.servers import PostgresServer, RedisServer
 
 JOB = "job-down"
 OTHER = "job-released"
@@ -47,37 +47,16 @@ B = "worker-b"
 TTL = 120.0
 
 
-def _server_or_skip(
-    make: Callable[[], RedisServer | PostgresServer],
-) -> RedisServer | PostgresServer:
-    try:
-        return make()
-    except ServerMissing as exc:
-        if IN_CI:
-            pytest.fail(f"{exc} (CI=true: a missing server fails the run)")
-        pytest.skip(str(exc))
-
-
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A redis-server for this test alone, free to be stopped."""
-    server = _server_or_skip(RedisServer)
-    assert isinstance(server, RedisServer)
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from serve(RedisServer)
 
 
 @pytest.fixture
 def own_postgres() -> Iterator[PostgresServer]:
     """A PostgreSQL cluster for this test alone, free to be stopped."""
-    server = _server_or_skip(PostgresServer)
-    assert isinstance(server, PostgresServer)
-    try:
-        yield server
-    finally:
-        server.close()
+    yield from serve(PostgresServer)
 
 
 def every_operation(store: LeaseStore, generation: int) -> dict[str, Callable[[], object]]:

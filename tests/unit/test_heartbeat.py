@@ -41,10 +41,12 @@ class RecordingStore(MemoryStore):
         return super()._renew_many(requests)
 
 
-def claim(store: MemoryStore, job_id: str, lost: list[Lease]) -> Lease:
+def claim(
+    store: MemoryStore, job_id: str, lost: list[Lease], timing: LeaseTiming = TIMING
+) -> Lease:
     owner = make_owner()
     started = time.monotonic()
-    result = store.claim(job_id, owner, TIMING.ttl)
+    result = store.claim(job_id, owner, timing.ttl)
     assert isinstance(result, Acquired)
     return Lease(
         job_id=job_id,
@@ -53,7 +55,7 @@ def claim(store: MemoryStore, job_id: str, lost: list[Lease]) -> Lease:
         lease_until_ms=result.lease_until_ms,
         started_at=started,
         store=store,
-        timing=TIMING,
+        timing=timing,
         on_lost=lost.append,
     )
 
@@ -205,31 +207,15 @@ def test_the_thread_is_a_daemon(heartbeat: Heartbeat) -> None:
     assert all(t.daemon for t in threads)
 
 
-def _lease_with(store: MemoryStore, job_id: str, timing: LeaseTiming) -> Lease:
-    owner = make_owner()
-    started = time.monotonic()
-    result = store.claim(job_id, owner, timing.ttl)
-    assert isinstance(result, Acquired)
-    return Lease(
-        job_id=job_id,
-        owner=owner,
-        generation=result.generation,
-        lease_until_ms=result.lease_until_ms,
-        started_at=started,
-        store=store,
-        timing=timing,
-    )
-
-
 def test_a_lease_due_sooner_wakes_a_thread_asleep_for_a_long_lease(
     heartbeat: Heartbeat,
 ) -> None:
     store = RecordingStore()
     slow = LeaseTiming(ttl=300.0, renew_interval=100.0, drift_margin=1.0)
-    heartbeat.add(_lease_with(store, "slow", slow))
+    heartbeat.add(claim(store, "slow", [], slow))
     # the thread has gone to sleep for about the long lease's interval
     assert wait_for(lambda: heartbeat._sleeping_until != float("inf"))
-    fast = _lease_with(store, "fast", TIMING)
+    fast = claim(store, "fast", [])
     heartbeat.add(fast)
     assert wait_for(lambda: (r := store.get("fast")) is not None and r.renew_count >= 2)
     assert not fast.lost
