@@ -88,8 +88,13 @@ class RedisServer:
         _wait_for_port(self.port, self.proc)
 
     def stop(self) -> None:
-        """Stop the server with SIGTERM (it writes its AOF) and wait for it."""
+        """Stop the server with SIGTERM (it writes its AOF) and wait for it.
+
+        A server a test froze with SIGSTOP is resumed first, or it would not
+        act on the SIGTERM.
+        """
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)

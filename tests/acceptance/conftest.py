@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +24,8 @@ from celery.result import AsyncResult
 from celery_leases import LeaseRecord, LeaseStore, open_store
 from tests.acceptance.app import AcceptanceConfig, make_app
 from tests.acceptance.harness import SideChannel, Worker, wait_until
-from tests.servers import PostgresServer, RedisServer, ServerMissing
+from tests.conftest import serve
+from tests.servers import PostgresServer, RedisServer
 
 # Databases 1-15 take turns (0 belongs to the other tiers' key prefixes);
 # each is flushed before a test uses it.
@@ -189,18 +188,7 @@ class Cluster:
 def store_server() -> Iterator[RedisServer]:
     """A redis-server of its own for the lease store, which a test may
     freeze, stop or restart while the broker keeps working."""
-    try:
-        server = RedisServer()
-    except ServerMissing as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{exc} (CI=true: a missing server fails the run)")
-        pytest.skip(str(exc))
-    try:
-        yield server
-    finally:
-        if server.proc is not None and server.proc.poll() is None:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        server.close()
+    yield from serve(RedisServer)
 
 
 @pytest.fixture

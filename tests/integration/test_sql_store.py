@@ -40,6 +40,7 @@ from celery_leases import (
 )
 from celery_leases.stores import sql
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
+from tests.operations import every_operation
 from tests.servers import PostgresServer
 
 A = "worker-a"
@@ -619,26 +620,15 @@ def test_postgres_stopped_makes_every_operation_store_unavailable(
     store = own_postgres_store
     held = _acquire(store, "held")
     own_postgres.stop()
-    calls = {
-        "claim": lambda: store.claim("new", A, 10),
-        "claim of held": lambda: store.claim("held", B, 10),
-        "renew": lambda: store.renew("held", A, held.generation, 10),
-        "renew_many": lambda: store.renew_many([RenewRequest("held", A, held.generation, 10)]),
-        "complete": lambda: store.complete("held", A, held.generation),
-        "release": lambda: store.release("held", A, held.generation),
-        "get": lambda: store.get("held"),
-        "records": lambda: list(store.records()),
-        "purge_completed": lambda: store.purge_completed(60),
-        "now_ms": store.now_ms,
-    }
+    calls = every_operation(store, "held", A, held.generation, 10)
     for name, call in calls.items():
         with pytest.raises(StoreUnavailable) as info:
             call()
         assert isinstance(info.value.__cause__, sa.exc.DBAPIError), name
         assert store.url in str(info.value), name
     own_postgres.start()
-    # nothing happened while it was down: the lease is still A's, "new" unknown
-    assert store.get("new") is None
+    # nothing happened while it was down: the lease is still A's, "held-new" unknown
+    assert store.get("held-new") is None
     assert isinstance(store.renew("held", A, held.generation, 10), Renewed)
 
 

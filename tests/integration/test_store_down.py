@@ -18,7 +18,7 @@ SQLite has no server to stop. What is decided for it:
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,11 +32,11 @@ from celery_leases import (
     LeaseStore,
     Released,
     Renewed,
-    RenewRequest,
     StoreUnavailable,
     open_store,
 )
 from tests.conftest import serve
+from tests.operations import every_operation
 from tests.servers import PostgresServer, RedisServer
 
 JOB = "job-down"
@@ -59,24 +59,8 @@ def own_postgres() -> Iterator[PostgresServer]:
     yield from serve(PostgresServer)
 
 
-def every_operation(store: LeaseStore, generation: int) -> dict[str, Callable[[], object]]:
-    """One call of each public operation that talks to the store."""
-    return {
-        "claim": lambda: store.claim(JOB, B, TTL),
-        "claim of a new job": lambda: store.claim("job-new", B, TTL),
-        "renew": lambda: store.renew(JOB, A, generation, TTL),
-        "renew_many": lambda: store.renew_many([RenewRequest(JOB, A, generation, TTL)]),
-        "complete": lambda: store.complete(JOB, A, generation),
-        "release": lambda: store.release(JOB, A, generation),
-        "get": lambda: store.get(JOB),
-        "records": lambda: list(store.records()),
-        "purge_completed": lambda: store.purge_completed(60),
-        "now_ms": store.now_ms,
-    }
-
-
 def assert_all_unavailable(store: LeaseStore, generation: int) -> None:
-    for name, call in every_operation(store, generation).items():
+    for name, call in every_operation(store, JOB, A, generation, TTL).items():
         with pytest.raises(StoreUnavailable) as info:
             call()
         assert isinstance(info.value, LeaseError)
@@ -167,7 +151,7 @@ def test_sqlite_locked_past_the_busy_timeout_is_unavailable_then_recovers(
         try:
             blocker.execute("BEGIN IMMEDIATE")
             writes = ("claim", "claim of a new job", "renew", "renew_many", "complete", "release")
-            operations = every_operation(store, held.generation)
+            operations = every_operation(store, JOB, A, held.generation, TTL)
             for name in writes:
                 with pytest.raises(StoreUnavailable) as info:
                     operations[name]()

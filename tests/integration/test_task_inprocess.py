@@ -32,6 +32,7 @@ from celery_leases import (
 )
 from celery_leases.task import DEFERRALS_HEADER, forget_runtime, store_for
 from celery_leases.worker import check_app
+from tests.conftest import serve
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -61,6 +62,12 @@ class Recorder:
                 return self.of(kind)
             time.sleep(0.02)
         raise AssertionError(f"waited {timeout} s for {count} x {kind!r}; saw {self.events!r}")
+
+
+@pytest.fixture
+def lease_server() -> Iterator[RedisServer]:
+    """A redis-server of this test alone for the lease store, free to be stopped."""
+    yield from serve(RedisServer)
 
 
 @pytest.fixture
@@ -250,34 +257,33 @@ def test_a_duplicate_while_held_is_deferred_and_completes_once(
 
 
 def test_store_down_at_claim_defers_until_it_is_back(
-    make_app: Callable[..., Celery], recorder: Recorder, unique: str
+    make_app: Callable[..., Celery],
+    recorder: Recorder,
+    unique: str,
+    lease_server: RedisServer,
 ) -> None:
-    lease_server = RedisServer()
-    try:
-        app = make_app(
-            lease_server.url,
-            leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
-        )
+    app = make_app(
+        lease_server.url,
+        leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
+    )
 
-        @app.task(shared=False, base=LeasedTask, bind=True)
-        def job(self: LeasedTask) -> str:
-            recorder.add("body")
-            return "ran"
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> str:
+        recorder.add("body")
+        return "ran"
 
-        lease_server.stop()
-        with worker(app):
-            result = job.delay()
-            deferred = recorder.wait("duplicate_deferred", count=2)
-            assert {d["reason"] for d in deferred} == {"store-unavailable"}
-            assert recorder.of("body") == []
-            lease_server.start()
-            assert result.get(timeout=WAIT) == "ran"
-        assert len(recorder.of("body")) == 1
-        record = store_for(app).get(result.id)
-        assert record is not None
-        assert record.state is LeaseState.COMPLETED
-    finally:
-        lease_server.close()
+    lease_server.stop()
+    with worker(app):
+        result = job.delay()
+        deferred = recorder.wait("duplicate_deferred", count=2)
+        assert {d["reason"] for d in deferred} == {"store-unavailable"}
+        assert recorder.of("body") == []
+        lease_server.start()
+        assert result.get(timeout=WAIT) == "ran"
+    assert len(recorder.of("body")) == 1
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
 
 
 def test_a_fenced_out_completion_writes_nothing(
@@ -336,43 +342,42 @@ def test_the_heartbeat_keeps_a_task_alive_for_several_ttls(
 
 
 def test_blocked_renewals_raise_lease_lost_soon_after_the_deadline(
-    make_app: Callable[..., Celery], recorder: Recorder, unique: str
+    make_app: Callable[..., Celery],
+    recorder: Recorder,
+    unique: str,
+    lease_server: RedisServer,
 ) -> None:
-    lease_server = RedisServer()
-    try:
-        app = make_app(
-            lease_server.url,
-            leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 0.5},
-        )
+    app = make_app(
+        lease_server.url,
+        leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 0.5},
+    )
 
-        @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5)
-        def long_job(self: LeasedTask) -> str:
-            if self.request.get(DEFERRALS_HEADER):
-                recorder.add("second run")
-                return "finished by the copy"
-            deadline = self.lease.deadline
-            recorder.add("deadline", deadline)
-            lease_server.stop()
-            try:
-                while time.monotonic() < deadline + 10:
-                    time.sleep(0.01)
-            except LeaseLost as exc:
-                recorder.add("lost", (time.monotonic(), exc.reason))
-                raise
-            return "not reached"
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5)
+    def long_job(self: LeasedTask) -> str:
+        if self.request.get(DEFERRALS_HEADER):
+            recorder.add("second run")
+            return "finished by the copy"
+        deadline = self.lease.deadline
+        recorder.add("deadline", deadline)
+        lease_server.stop()
+        try:
+            while time.monotonic() < deadline + 10:
+                time.sleep(0.01)
+        except LeaseLost as exc:
+            recorder.add("lost", (time.monotonic(), exc.reason))
+            raise
+        return "not reached"
 
-        with worker(app):
-            result = long_job.delay()
-            [(noticed, reason)] = recorder.wait("lost")
-            [deadline] = recorder.of("deadline")
-            assert reason == "deadline"
-            assert deadline <= noticed < deadline + 0.5 + 1.0  # one renew interval + slack
-            assert recorder.wait("lease_fenced_out")[0]["reason"] == "deadline"
-            lease_server.start()
-            # the re-published copy waits out the stale lease, then finishes the job
-            assert result.get(timeout=WAIT) == "finished by the copy"
-    finally:
-        lease_server.close()
+    with worker(app):
+        result = long_job.delay()
+        [(noticed, reason)] = recorder.wait("lost")
+        [deadline] = recorder.of("deadline")
+        assert reason == "deadline"
+        assert deadline <= noticed < deadline + 0.5 + 1.0  # one renew interval + slack
+        assert recorder.wait("lease_fenced_out")[0]["reason"] == "deadline"
+        lease_server.start()
+        # the re-published copy waits out the stale lease, then finishes the job
+        assert result.get(timeout=WAIT) == "finished by the copy"
 
 
 @pytest.mark.parametrize("mode", ["flag", "raise"])
