@@ -26,7 +26,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from celery import Task
@@ -73,11 +73,22 @@ DEFERRALS_HEADER = "leases_deferrals"
 # --- per-app, per-process runtime ---------------------------------------------
 
 
+@dataclass(frozen=True)
+class _TaskOptions:
+    """A task's lease options with the app's settings applied, validated."""
+
+    timing: LeaseTiming
+    on_lost: OnLost
+    takeover_limit: int | None
+
+
 @dataclass
 class _Runtime:
     settings: LeaseSettings
     pid: int
     store: LeaseStore | None = None
+    #: resolved once per task name, so a run does not validate them again
+    options: dict[str, _TaskOptions] = field(default_factory=dict)
 
 
 _runtimes: weakref.WeakKeyDictionary[Any, _Runtime] = weakref.WeakKeyDictionary()
@@ -242,10 +253,21 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             self.pop_request()
             _task_stack.pop()
 
+    def _lease_options(self) -> _TaskOptions:
+        runtime = _runtime(self._get_app())
+        options = runtime.options.get(self.name)
+        if options is None:
+            options = _TaskOptions(
+                self.lease_timing(), self.lease_on_lost_mode(), self.lease_takeover_limit()
+            )
+            runtime.options[self.name] = options
+        return options
+
     def _run_leased(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         settings = settings_for(self._get_app())
-        timing = self.lease_timing()
+        options = self._lease_options()
+        timing = options.timing
         job_id = self.lease_job_id(request.id, args, kwargs)
         store = store_for(self._get_app())
         owner = make_owner()
@@ -262,8 +284,8 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             raise Ignore()
         if isinstance(claim, HeldElsewhere):
             self._defer_held(request, args, kwargs, claim, settings)
-        lease = self._make_lease(claim, started, store, timing, request)
-        limit = self.lease_takeover_limit()
+        lease = self._make_lease(claim, started, store, timing, options.on_lost, request)
+        limit = options.takeover_limit
         if limit is not None and claim.takeovers > limit:
             self._reject_poison(lease, claim, limit)
         _local.leases.append(lease)
@@ -279,9 +301,14 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             _local.leases.remove(lease)
 
     def _make_lease(
-        self, claim: Acquired, started: float, store: LeaseStore, timing: LeaseTiming, request: Any
+        self,
+        claim: Acquired,
+        started: float,
+        store: LeaseStore,
+        timing: LeaseTiming,
+        mode: OnLost,
+        request: Any,
     ) -> Lease:
-        mode = self.lease_on_lost_mode()
         task_id, hostname = request.id, request.hostname
 
         def on_lost(lease: Lease) -> None:
