@@ -1,15 +1,29 @@
-"""The heartbeat: one daemon thread per process that renews every held lease.
+"""The heartbeat: renews every held lease and enforces every local deadline.
 
-Each tick renews the leases that are due in one ``renew_many`` round trip
-per store, and counts each new local deadline from the monotonic time read
-before that batch was sent. The thread wakes up for the nearest renewal *or*
-deadline, so a lease past its deadline is lost on time even when renewals
-cannot get through.
+One daemon thread per process, the *deadline thread*, never does I/O. It
+sleeps until the nearest renewal or deadline is due, marks the leases past
+their deadline lost, and starts the renewals that are due. The reactions to
+a lost lease that it runs are quick (a flag, an interrupt, a signal to stop
+the pool process); log lines, signals, hooks and events go to the notifier
+thread (:mod:`celery_leases.notify`).
 
-A refusal makes that lease lost. ``StoreUnavailable`` is retried on every
-tick until the lease's own deadline passes. Any other error makes every held
-lease lost (it is logged with its traceback) and the thread carries on: it
-never dies silently.
+A renewal is one ``renew_many`` round trip per store, sent from a
+short-lived *renewal thread*; the new deadlines count from the monotonic
+time read before the batch was sent. A call that hangs (a black-holed
+connection, a lock held by another transaction) is left to its thread: the
+leases it was renewing keep their deadlines and are lost on time, and a
+reply that comes back after a lease's deadline does not revive it. At most
+:data:`MAX_IN_FLIGHT` calls per store run at once, so a store that hangs
+cannot pile up threads::
+
+    deadline thread  ──due──▶ start renewal ──▶ sleep ──deadline──▶ lost (flag / interrupt / stop)
+    renewal thread            renew_many ......... (hangs) ......... reply: ignored if too late
+
+A refusal makes that lease lost. ``StoreUnavailable`` is retried until the
+lease's own deadline passes. Any other error from a batch makes the leases
+of that batch lost (it is logged with its traceback); an error in the
+deadline thread itself makes every lease lost, and the thread carries on:
+it never dies silently.
 """
 
 from __future__ import annotations
@@ -23,9 +37,10 @@ from collections.abc import Callable
 
 from celery_leases.errors import LeaseLost, StoreUnavailable
 from celery_leases.lease import Lease
+from celery_leases.notify import notify
 from celery_leases.stores.base import LeaseStore, RenewRequest
 
-__all__ = ["Heartbeat", "process_heartbeat"]
+__all__ = ["MAX_IN_FLIGHT", "Heartbeat", "process_heartbeat"]
 
 logger = logging.getLogger("celery_leases")
 
@@ -33,10 +48,12 @@ logger = logging.getLogger("celery_leases")
 MIN_WAIT = 0.01
 #: longest pause between retries while the store is unavailable (seconds)
 MAX_RETRY_WAIT = 1.0
+#: renewal calls to one store that may be running at once
+MAX_IN_FLIGHT = 2
 
 
 class Heartbeat:
-    """Renews the leases of one process from a daemon thread.
+    """Renews the leases of one process and enforces their local deadlines.
 
     Args:
         clock: the local monotonic clock (the leases' clock too).
@@ -55,6 +72,8 @@ class Heartbeat:
         self._sleeping_until = float("inf")
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        #: renewal calls running now, per store (by id)
+        self._in_flight: dict[int, int] = {}
         self.pid = os.getpid()
 
     # -- public --------------------------------------------------------------
@@ -92,21 +111,25 @@ class Heartbeat:
         return thread is not None and thread.is_alive()
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop the thread and wait for it (leases stay registered)."""
+        """Stop the thread and wait for it (leases stay registered).
+
+        Renewal calls still running are not waited for: they are daemon
+        threads, and their replies no longer matter.
+        """
         self._stopping.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
-    # -- the thread ------------------------------------------------------------
+    # -- the deadline thread -----------------------------------------------------
 
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
                 wait = self.tick()
             except Exception as exc:
-                self._fail_all(exc)
+                self._fail(self.held(), exc)
                 wait = MAX_RETRY_WAIT
             wait = max(MIN_WAIT, wait)
             with self._lock:
@@ -117,7 +140,10 @@ class Heartbeat:
                 self._sleeping_until = float("inf")
 
     def tick(self) -> float:
-        """Expire, then renew what is due; returns seconds until the next tick."""
+        """Expire, then start the renewals that are due; returns seconds to the next tick.
+
+        Never waits for a store: renewals run on threads of their own.
+        """
         for lease in self.held():
             if lease.expire_if_due():
                 self.remove(lease)
@@ -127,27 +153,59 @@ class Heartbeat:
             if lease.next_renew_at <= now:
                 due_by_store.setdefault(id(lease.store), (lease.store, []))[1].append(lease)
         for store, leases in due_by_store.values():
-            self._renew_batch(store, leases)
+            self._start_renewal(store, leases)
         return self._next_wait()
 
-    def _renew_batch(self, store: LeaseStore, leases: list[Lease]) -> None:
-        requests = [RenewRequest(x.job_id, x.owner, x.generation, x.timing.ttl) for x in leases]
+    def _start_renewal(self, store: LeaseStore, leases: list[Lease]) -> None:
+        key = id(store)
+        with self._lock:
+            if self._in_flight.get(key, 0) >= MAX_IN_FLIGHT:
+                # calls that hang hold every slot: the leases keep their
+                # deadlines, and the next tick tries again
+                return
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
         started = self._clock()
+        for lease in leases:
+            # no second request for these leases until this one had its chance
+            lease.next_renew_at = started + min(lease.timing.renew_interval / 2, MAX_RETRY_WAIT)
+        thread = threading.Thread(
+            target=self._renew_batch,
+            args=(store, leases, started),
+            name="celery-leases-renew",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._in_flight[key] -= 1
+            raise
+
+    # -- renewal threads -------------------------------------------------------
+
+    def _renew_batch(self, store: LeaseStore, leases: list[Lease], started: float) -> None:
+        requests = [RenewRequest(x.job_id, x.owner, x.generation, x.timing.ttl) for x in leases]
         try:
             results = store.renew_many(requests)
         except StoreUnavailable as exc:
-            logger.warning(
+            notify(
+                logger.warning,
                 "could not renew %d lease(s): %s; retrying until their deadlines pass",
                 len(leases),
                 exc,
             )
-            for lease in leases:
-                lease.next_renew_at = started + min(lease.timing.renew_interval / 2, MAX_RETRY_WAIT)
             return
+        except Exception as exc:
+            self._fail(leases, exc)
+            return
+        finally:
+            with self._lock:
+                self._in_flight[id(store)] -= 1
         for lease, result in zip(leases, results, strict=True):
             lease.apply_renewal(started, result)
             if lease.lost:
                 self.remove(lease)
+        self._wake.set()  # the next renewals are due later now
 
     def _next_wait(self) -> float:
         leases = self.held()
@@ -160,12 +218,14 @@ class Heartbeat:
             waits.append(min(lease.next_renew_at - early, lease.deadline) - now)
         return min(waits)
 
-    def _fail_all(self, exc: Exception) -> None:
-        logger.error(
-            "the lease heartbeat failed; every lease of this process counts as lost",
+    def _fail(self, leases: list[Lease], exc: Exception) -> None:
+        notify(
+            logger.error,
+            "the lease heartbeat failed; %d lease(s) of this process count as lost",
+            len(leases),
             exc_info=exc,
         )
-        for lease in self.held():
+        for lease in leases:
             self.remove(lease)
             error = LeaseLost(
                 f"the heartbeat renewing job {lease.job_id!r} (generation "

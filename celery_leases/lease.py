@@ -10,7 +10,13 @@ lease counts as lost even if the store has not noticed yet::
     store: ................ now_s  ...................... now_s + ttl (lease_until)
 
 The heartbeat moves the deadline forward after each renewal; a refused
-renewal or a passed deadline makes the lease lost for good.
+renewal or a passed deadline makes the lease lost for good. ``lost``,
+``check()`` and ``remaining()`` read the clock themselves, so the deadline
+holds even while every thread that could notice it is stuck in I/O.
+
+Once the run is over (its completion accepted, or its lease released)
+:meth:`Lease.finish` is called: a renewal refused after that, for example
+one that was on the wire while the completion went through, is not a loss.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from datetime import datetime
 
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
 from celery_leases.settings import LeaseTiming
-from celery_leases.stores.base import LeaseStore, Refusal, Renewed, ms_to_datetime
+from celery_leases.stores.base import (
+    LeaseStore,
+    Refusal,
+    RefusalReason,
+    Renewed,
+    ms_to_datetime,
+)
 
 __all__ = ["Lease", "make_owner"]
 
@@ -64,8 +76,10 @@ class Lease:
         timing: TTL, renew interval and drift margin of the task.
         task_name: the task's name, for messages.
         on_lost: called once (in the thread that noticed) when the lease is lost.
-        on_renewed: called after each accepted renewal (often in the heartbeat thread).
+        on_renewed: called after each accepted renewal (often in a renewal thread).
         clock: the local monotonic clock.
+        task_id: the Celery task id of the run (for messages and events).
+        hostname: the worker's node name (for messages and events).
     """
 
     def __init__(
@@ -82,8 +96,12 @@ class Lease:
         on_lost: Callable[[Lease], None] | None = None,
         on_renewed: Callable[[Lease], None] | None = None,
         clock: Clock = time.monotonic,
+        task_id: str | None = None,
+        hostname: str | None = None,
     ) -> None:
         self.job_id = job_id
+        self.task_id = task_id
+        self.hostname = hostname
         self.owner = owner
         self.generation = generation
         self.store = store
@@ -101,6 +119,7 @@ class Lease:
         self._thread_id = threading.get_ident()
         self._in_body = False
         self._interrupted = False
+        self._finished = False
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else f"{self.remaining():.1f}s left"
@@ -125,8 +144,12 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """Whether the lease is lost (refused renewal or passed deadline)."""
-        return self._lost is not None
+        """Whether the lease is lost (refused renewal or passed deadline).
+
+        Reads the clock itself: past the local deadline it is True even if
+        no other thread has noticed yet.
+        """
+        return self.expire_if_due()
 
     @property
     def lost_reason(self) -> str | None:
@@ -141,8 +164,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` if the lease is lost or past its deadline."""
-        if self._lost is None and self._clock() >= self._deadline:
-            self.mark_lost(self._deadline_error())
+        self.expire_if_due()
         if self._lost is not None:
             raise self._error_copy(self._lost)
 
@@ -190,27 +212,60 @@ class Lease:
     # -- what the heartbeat and the task runner use -------------------------
 
     def apply_renewal(self, started_at: float, result: Renewed | Refusal) -> None:
-        """Record a renewal sent at ``started_at``; a refusal makes the lease lost."""
+        """Record a renewal sent at ``started_at``; a refusal makes the lease lost.
+
+        A renewal that comes back after the local deadline passed does not
+        revive the lease: it was lost at the deadline, whatever the store
+        says now. A refusal that names this run as the job's completer is
+        this run's own completion, not a loss.
+        """
         if isinstance(result, Refusal):
-            self.mark_lost(result.error("renew"))
+            if not self._is_own_completion(result):
+                self.mark_lost(result.error("renew"))
             return
         with self._lock:
-            if self._lost is not None:
+            if self._lost is not None or self._finished:
                 return
-            self._deadline = max(self._deadline, started_at + self.timing.safe_duration)
-            self._lease_until_ms = max(self._lease_until_ms, result.lease_until_ms)
-            self.next_renew_at = started_at + self.timing.renew_interval
+            expired = self._clock() >= self._deadline
+            if not expired:
+                self._deadline = max(self._deadline, started_at + self.timing.safe_duration)
+                self._lease_until_ms = max(self._lease_until_ms, result.lease_until_ms)
+                self.next_renew_at = started_at + self.timing.renew_interval
+        if expired:
+            self.mark_lost(self._deadline_error())
+            return
         if self._on_renewed is not None:
             try:
                 self._on_renewed(self)
             except Exception:
                 logger.exception("renewed-lease handler for job %r failed", self.job_id)
 
+    def _is_own_completion(self, refusal: Refusal) -> bool:
+        return (
+            refusal.reason is RefusalReason.COMPLETED
+            and refusal.current_owner == self.owner
+            and refusal.current_generation == self.generation
+        )
+
     def expire_if_due(self) -> bool:
-        """Mark the lease lost if its deadline has passed; returns ``lost``."""
-        if self._lost is None and self._clock() >= self._deadline:
+        """Mark the lease lost if its deadline has passed; returns whether it is lost."""
+        if self._lost is None and not self._finished and self._clock() >= self._deadline:
             self.mark_lost(self._deadline_error())
-        return self.lost
+        return self._lost is not None
+
+    def finish(self) -> None:
+        """Note that the run no longer needs the lease (completed or released).
+
+        Later refusals and the deadline no longer count as a loss, so no
+        lost notice goes out for a run that ended normally.
+        """
+        with self._lock:
+            self._finished = True
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`finish` was called."""
+        return self._finished
 
     def mark_lost(self, error: LeaseLost) -> bool:
         """Make the lease lost with ``error``; only the first call notifies.
@@ -219,7 +274,7 @@ class Lease:
             True if this call made the lease lost.
         """
         with self._lock:
-            if self._lost is not None:
+            if self._lost is not None or self._finished:
                 return False
             self._lost = error
         if self._on_lost is not None:

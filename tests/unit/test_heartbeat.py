@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from celery_leases import LeaseTiming, StoreUnavailable
-from celery_leases.heartbeat import Heartbeat, process_heartbeat
+from celery_leases import LeaseLost, LeaseTiming, StoreUnavailable
+from celery_leases.heartbeat import MAX_IN_FLIGHT, Heartbeat, process_heartbeat
 from celery_leases.lease import Lease, make_owner
 from celery_leases.stores.base import Acquired, RenewRequest, RenewResult
 from celery_leases.stores.memory import ManualClock, MemoryStore
@@ -144,7 +144,7 @@ def test_a_short_outage_does_not_lose_the_lease(heartbeat: Heartbeat) -> None:
     assert lost == []
 
 
-def test_an_unexpected_error_loses_every_lease_and_the_thread_survives(
+def test_an_unexpected_error_loses_the_leases_of_its_batch_and_the_thread_survives(
     heartbeat: Heartbeat, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = RecordingStore()
@@ -219,3 +219,83 @@ def test_a_lease_due_sooner_wakes_a_thread_asleep_for_a_long_lease(
     heartbeat.add(fast)
     assert wait_for(lambda: (r := store.get("fast")) is not None and r.renew_count >= 2)
     assert not fast.lost
+
+
+class HangingStore(MemoryStore):
+    """A memory store whose batched renewals hang until released (a black hole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        self.calls += 1
+        if self.hang.is_set():
+            self.release.wait(30)
+        return super()._renew_many(requests)
+
+
+@pytest.fixture
+def hanging_store() -> Iterator[HangingStore]:
+    store = HangingStore()
+    yield store
+    store.release.set()
+
+
+def test_a_renewal_that_hangs_does_not_postpone_the_deadline(
+    heartbeat: Heartbeat, hanging_store: HangingStore
+) -> None:
+    lost: list[Lease] = []
+    lease = claim(hanging_store, "job", lost)
+    hanging_store.hang.set()
+    heartbeat.add(lease)
+    deadline = lease.deadline
+    assert wait_for(lambda: lost != [])
+    assert lease.lost_reason == "deadline"
+    # the deadline thread noticed on time, while the renewal still hangs
+    assert deadline <= time.monotonic() < deadline + 0.25
+    assert not hanging_store.release.is_set()
+
+
+def test_a_reply_that_comes_after_the_deadline_does_not_revive_the_lease(
+    heartbeat: Heartbeat, hanging_store: HangingStore
+) -> None:
+    lost: list[Lease] = []
+    lease = claim(hanging_store, "job", lost)
+    hanging_store.hang.set()
+    heartbeat.add(lease)
+    assert wait_for(lambda: lost != [])
+    hanging_store.release.set()  # the store answers "renewed", too late
+    time.sleep(TIMING.renew_interval * 2)
+    assert lease.lost
+    with pytest.raises(LeaseLost):
+        lease.check()
+
+
+def test_hanging_renewals_of_one_store_do_not_pile_up_threads(
+    heartbeat: Heartbeat, hanging_store: HangingStore
+) -> None:
+    leases = [claim(hanging_store, f"job-{n}", []) for n in range(3)]
+    hanging_store.hang.set()
+    for lease in leases:
+        heartbeat.add(lease)
+    time.sleep(TIMING.ttl * 2)
+    renewers = [t for t in threading.enumerate() if t.name == "celery-leases-renew"]
+    assert 1 <= len(renewers) <= MAX_IN_FLIGHT
+    assert hanging_store.calls <= MAX_IN_FLIGHT
+
+
+def test_leases_of_another_store_renew_while_one_store_hangs(
+    heartbeat: Heartbeat, hanging_store: HangingStore
+) -> None:
+    healthy = RecordingStore()
+    stuck = claim(hanging_store, "stuck", [])
+    fine = claim(healthy, "fine", [])
+    hanging_store.hang.set()
+    heartbeat.add(stuck)
+    heartbeat.add(fine)
+    time.sleep(TIMING.ttl * 3)
+    assert stuck.lost
+    fine.check()

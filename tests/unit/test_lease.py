@@ -12,7 +12,15 @@ import pytest
 
 from celery_leases import LeaseConfigurationError, LeaseLost, LeaseTiming, StoreUnavailable
 from celery_leases.lease import Lease, make_owner
-from celery_leases.stores.base import Acquired, Renewed, RenewRequest, RenewResult
+from celery_leases.stores.base import (
+    Acquired,
+    Completed,
+    Refusal,
+    RefusalReason,
+    Renewed,
+    RenewRequest,
+    RenewResult,
+)
 from celery_leases.stores.memory import ManualClock, MemoryStore
 
 TIMING = LeaseTiming(ttl=10.0, renew_interval=3.0, drift_margin=1.0)
@@ -271,3 +279,51 @@ def test_interrupt_is_not_sent_outside_the_body(store: FlakyStore, local: LocalC
 def test_interrupt_of_a_live_lease_does_nothing(store: FlakyStore, local: LocalClock) -> None:
     lease = claim(store, local)
     assert not lease.interrupt()
+
+
+def test_lost_reads_the_clock_itself(store: FlakyStore, local: LocalClock) -> None:
+    lost: list[Lease] = []
+    lease = claim(store, local, lost)
+    assert not lease.lost
+    local.now = lease.deadline  # no heartbeat, no other thread: only the clock moved
+    assert lease.lost
+    assert lease.lost_reason == "deadline"
+    assert lost == [lease]
+
+
+def test_a_renewal_sent_in_time_but_answered_past_the_deadline_does_not_revive(
+    store: FlakyStore, local: LocalClock
+) -> None:
+    lost: list[Lease] = []
+    lease = claim(store, local, lost)
+    sent = local() + 5
+    result = store.renew("job-1", lease.owner, lease.generation, 10)
+    local.now = lease.deadline + 0.5  # the reply arrives after the deadline
+    lease.apply_renewal(sent, result)
+    assert lease.lost
+    assert lost == [lease]
+
+
+def test_a_refusal_naming_this_run_as_completer_is_not_a_loss(
+    store: FlakyStore, local: LocalClock
+) -> None:
+    lost: list[Lease] = []
+    lease = claim(store, local, lost)
+    # a renewal was on the wire while the completion went through
+    assert isinstance(store.complete("job-1", lease.owner, lease.generation), Completed)
+    refused = store.renew("job-1", lease.owner, lease.generation, 10)
+    assert isinstance(refused, Refusal)
+    lease.apply_renewal(local(), refused)
+    assert not lease.lost
+    assert lost == []
+
+
+def test_nothing_counts_as_lost_once_the_run_finished(store: FlakyStore, local: LocalClock) -> None:
+    lost: list[Lease] = []
+    lease = claim(store, local, lost)
+    lease.finish()
+    refused = Refusal("job-1", lease.owner, lease.generation, RefusalReason.SUPERSEDED)
+    lease.apply_renewal(local(), refused)
+    local.now = lease.deadline + 1
+    assert not lease.expire_if_due()
+    assert lost == []
