@@ -35,6 +35,7 @@ from celery_leases.stores.base import (
     Renewed,
     RenewRequest,
 )
+from celery_leases.runtime import stop
 from celery_leases.task import LeasedTask
 from celery_leases.worker import install
 
@@ -47,6 +48,7 @@ __all__ = [
     "LeaseSettings",
     "LeaseTiming",
     "install",
+    "stop",
     # stores
     "LeaseStore",
     "open_store",

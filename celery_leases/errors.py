@@ -178,6 +178,20 @@ class TakeoverLimitExceeded(LeaseError):
 __all__ += ["TakeoverLimitExceeded"]
 
 
+class ResultUnavailable(LeaseError):
+    """A job is completed, but its result can be found nowhere.
+
+    A redelivered copy of a completed job answers its client from the result
+    backend or from the outcome kept with the completion. When neither has
+    it (the worker died before the backend stored it, and the result was too
+    large or could not be serialized to keep with the completion), the copy
+    fails with this error rather than leave the client waiting forever.
+    """
+
+
+__all__ += ["ResultUnavailable"]
+
+
 def _rebuild(cls: type[LeaseError], args: tuple[Any, ...], state: dict[str, Any]) -> LeaseError:
     error = cls.__new__(cls)
     Exception.__init__(error, *args)

@@ -206,3 +206,8 @@ def check_max_takeovers(value: object, name: str) -> int | None:
             f"{name} must be a whole number >= 0 or None (no limit), got {value!r}"
         )
     return value
+
+
+def check_defer_max(value: object, name: str) -> float:
+    """Check a cap on deferral delays; raises LeaseConfigurationError naming ``name``."""
+    return _seconds(name, value)

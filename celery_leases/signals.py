@@ -3,8 +3,9 @@
 The sender is always the task object (``app.tasks[name]``), also for the
 signals sent from the heartbeat thread, so ``connect(sender=my_task)``
 works for all of them. Receivers run in the thread that sends: for
-``lease_renewed`` and ``lease_lost`` that can be the heartbeat thread, so
-they must be quick and must not use ``task.request`` (it is thread-local).
+``lease_renewed`` and ``lease_lost`` that is the notifier thread (never the
+one that enforces deadlines), so they must not use ``task.request`` (it is
+thread-local); ``lease.task_id`` and ``lease.hostname`` name the run.
 A receiver that raises is logged and does not stop the others.
 
 Every signal provides ``lease`` (a :class:`~celery_leases.lease.Lease`,
@@ -23,6 +24,7 @@ __all__ = [
     "lease_lost",
     "lease_released",
     "lease_renewed",
+    "lease_skipped",
 ]
 
 #: A claim succeeded; the body is about to run.
@@ -53,3 +55,10 @@ lease_completed = Signal(name="lease_completed", providing_args={"lease", "job_i
 
 #: The lease was given up without completing (failure, retry, shutdown).
 lease_released = Signal(name="lease_released", providing_args={"lease", "job_id", "reason"})
+
+#: A delivery found its job completed by the same send (a redelivery) and
+#: did not run; it answers with the stored result. ``generation`` is the
+#: completing run's, ``task_id`` this delivery's; ``lease`` is ``None``.
+lease_skipped = Signal(
+    name="lease_skipped", providing_args={"lease", "job_id", "generation", "task_id"}
+)

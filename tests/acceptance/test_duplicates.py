@@ -9,6 +9,7 @@ from typing import Any
 from celery.result import AsyncResult
 
 from celery_leases import LeaseState
+from celery_leases.sending import keeping_send_id
 from tests.acceptance.app import STEPS
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import Worker, wait_until
@@ -84,10 +85,13 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
 def test_delivery_of_completed_job_is_skipped(cluster: Cluster) -> None:
     cluster.configure(ttl=TTL)
     worker = cluster.worker("a")
-    result = cluster.send(STEPS, 0.1)
+    # the same send twice (one send id), as a broker redelivers a message
+    with keeping_send_id("send-1"):
+        result = cluster.send(STEPS, 0.1)
     value = result.get(timeout=30)
 
-    cluster.send(STEPS, 0.1, task_id=result.id)
+    with keeping_send_id("send-1"):
+        cluster.send(STEPS, 0.1, task_id=result.id)
     worker.wait_for_log(
         rf"{re.escape(result.id)}.*already completed by generation {value['generation']}; skipping",
         timeout=30,

@@ -7,13 +7,12 @@ store, or SQLite. Each test has its own app, queue and store.
 
 from __future__ import annotations
 
+import itertools
 import os
-import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,97 +27,15 @@ from celery_leases import (
     LeaseHeld,
     LeaseLost,
     LeaseState,
-    signals,
 )
-from celery_leases.task import DEFERRALS_HEADER, forget_runtime, store_for
+from celery_leases.outcome import encode_value
+from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
+from celery_leases.task import DEFERRALS_HEADER, store_for
 from celery_leases.worker import check_app
-from tests.conftest import serve
+from tests.integration.conftest import WAIT, Recorder, worker
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
-
-WAIT = 30.0  # generous: the machine is shared
-
-
-class Recorder:
-    """What task bodies and signal receivers saw, across threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.events: list[tuple[str, Any]] = []
-
-    def add(self, kind: str, value: Any = None) -> None:
-        with self.lock:
-            self.events.append((kind, value))
-
-    def of(self, kind: str) -> list[Any]:
-        with self.lock:
-            return [value for k, value in self.events if k == kind]
-
-    def wait(self, kind: str, count: int = 1, timeout: float = WAIT) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.of(kind)) >= count:
-                return self.of(kind)
-            time.sleep(0.02)
-        raise AssertionError(f"waited {timeout} s for {count} x {kind!r}; saw {self.events!r}")
-
-
-@pytest.fixture
-def lease_server() -> Iterator[RedisServer]:
-    """A redis-server of this test alone for the lease store, free to be stopped."""
-    yield from serve(RedisServer)
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    recorder = Recorder()
-    receivers = []
-    for name in signals.__all__:
-        signal = getattr(signals, name)
-
-        def receive(sender: Any, _name: str = name, **kwargs: Any) -> None:
-            recorder.add(_name, kwargs)
-
-        signal.connect(receive, weak=False)
-        receivers.append((signal, receive))
-    yield recorder
-    for signal, receive in receivers:
-        signal.disconnect(receive)
-
-
-@pytest.fixture
-def make_app(redis_server: RedisServer, unique: str) -> Iterator[Callable[..., Celery]]:
-    apps: list[Celery] = []
-
-    def factory(store: str = "memory://", **conf: Any) -> Celery:
-        app = Celery(f"leases{unique}{len(apps)}", set_as_current=False)
-        app.conf.update(
-            broker_url=redis_server.url,
-            result_backend=redis_server.url,
-            broker_connection_retry_on_startup=True,
-            # no expiry: Celery's Redis backend would call setex, deprecated in redis-py 8
-            result_expires=None,
-            task_default_queue=f"q{unique}{len(apps)}",
-            leases_store=store,
-            leases_defer_backoff=0.2,
-            leases_defer_max=1.0,
-            **conf,
-        )
-        apps.append(app)
-        return app
-
-    yield factory
-    for app in apps:
-        forget_runtime(app)
-
-
-@contextmanager
-def worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
-    with start_worker(
-        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
-    ) as running:
-        yield running
 
 
 def store_url(
@@ -219,12 +136,35 @@ def test_a_completed_job_delivered_again_is_skipped(
 
     task_id = uuid.uuid4().hex
     with worker(app):
-        assert echo.apply_async(("first",), task_id=task_id).get(timeout=WAIT) == "first"
-        echo.apply_async(("second",), task_id=task_id)
+        # the same send (same send id) delivered twice, as a broker redelivers it
+        with keeping_send_id("send-1"):
+            assert echo.apply_async(("first",), task_id=task_id).get(timeout=WAIT) == "first"
+            echo.apply_async(("second",), task_id=task_id)
+        [skipped] = recorder.wait("lease_skipped")
+        assert skipped["task_id"] == task_id
         marker = echo.delay("marker")  # solo pool: runs after the duplicate
         assert marker.get(timeout=WAIT) == "marker"
     assert recorder.of("body") == ["first", "marker"]
     assert AsyncResult(task_id, app=app).get(timeout=WAIT) == "first"
+
+
+def test_a_task_id_sent_again_after_completion_is_a_new_run(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def echo(self: LeasedTask, value: str) -> str:
+        recorder.add("body", (value, self.lease.generation))
+        return value
+
+    task_id = uuid.uuid4().hex
+    with worker(app):
+        assert echo.apply_async(("first",), task_id=task_id).get(timeout=WAIT) == "first"
+        echo.apply_async(("second",), task_id=task_id)  # a new send, as Celery sees it
+        recorder.wait("body", count=2)  # (Celery keeps the first SUCCESS in the backend)
+    (_, first), (_, second) = recorder.of("body")
+    assert second == first + 1  # serialized by the lease, fenced by the next generation
 
 
 def test_a_duplicate_while_held_is_deferred_and_completes_once(
@@ -298,7 +238,9 @@ def test_a_fenced_out_completion_writes_nothing(
     def stale(self: LeasedTask) -> str:
         # the lease runs out by the store's clock and another worker claims the job
         clock.advance(31)
-        taken = store_for(app).claim(self.lease.job_id, "successor:2:def", 30)
+        taken = store_for(app).claim(
+            self.lease.job_id, "successor:2:def", 30, send_id=self.request.get(SEND_ID_HEADER)
+        )  # a redelivery of the same message, on another worker
         recorder.add("taken", taken)
         return "stale result"
 
@@ -311,10 +253,13 @@ def test_a_fenced_out_completion_writes_nothing(
         assert copies[0]["reason"] == "fenced-out"
         assert copies[1]["reason"] == "held"
         [successor] = recorder.of("taken")
-        store_for(app).complete(result.id, "successor:2:def", successor.generation)
-        time.sleep(1.5)  # the next copy finds the job completed and is skipped
-    assert result.state == "PENDING"  # the stale run's value was never stored
-    assert len(recorder.of("taken")) == 1
+        # the successor completes, keeping its outcome, then dies before storing it
+        outcome = encode_value("successor result", serializer="json", max_bytes=65536)
+        store_for(app).complete(result.id, "successor:2:def", successor.generation, outcome=outcome)
+        # the next copy finds the job completed by its own send and answers with
+        # the successor's outcome; the stale run's value is never stored
+        assert result.get(timeout=WAIT) == "successor result"
+    assert len(recorder.of("taken")) == 1  # the copy did not run the body again
 
 
 def test_the_heartbeat_keeps_a_task_alive_for_several_ttls(
@@ -449,21 +394,54 @@ def test_a_job_past_its_takeover_limit_is_failed_without_running(
     assert record.state is LeaseState.COMPLETED
 
 
-def test_a_singleton_key_makes_calls_with_equal_arguments_one_job(
+def test_a_singleton_key_serializes_calls_and_each_gets_its_answer(
     make_app: Callable[..., Celery], recorder: Recorder
 ) -> None:
     app = make_app()
 
     @app.task(shared=False, base=LeasedTask, bind=True, lease_key="report:{customer_id}")
-    def report(self: LeasedTask, customer_id: int) -> str:
-        recorder.add("body", self.lease.job_id)
-        return self.lease.job_id
+    def report(self: LeasedTask, customer_id: int, day: str) -> str:
+        recorder.add("body", (self.lease.job_id, day, self.lease.generation))
+        return f"{self.lease.job_id} on {day}"
 
     with worker(app):
-        assert report.delay(customer_id=7).get(timeout=WAIT) == "report:7"
-        report.delay(customer_id=7)
-        assert report.delay(customer_id=8).get(timeout=WAIT) == "report:8"
-    assert recorder.of("body") == ["report:7", "report:8"]
+        assert report.delay(customer_id=7, day="monday").get(timeout=WAIT) == "report:7 on monday"
+        # Tuesday's call finds Monday's job completed: a new task id is a new run
+        assert report.delay(customer_id=7, day="tuesday").get(timeout=WAIT) == (
+            "report:7 on tuesday"
+        )
+        assert report.delay(customer_id=8, day="tuesday").get(timeout=WAIT) == (
+            "report:8 on tuesday"
+        )
+    monday, tuesday, other = recorder.of("body")
+    assert tuesday[2] == monday[2] + 1
+    assert other[0] == "report:8"
+
+
+def test_concurrent_calls_on_one_key_are_deferred_and_each_gets_its_answer(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_key="export:{name}")
+    def export(self: LeasedTask, name: str, call: int) -> int:
+        recorder.add("body", (call, time.monotonic()))
+        time.sleep(0.3)
+        recorder.add("end", (call, time.monotonic()))
+        return call
+
+    with worker(app, pool="threads", concurrency=3):
+        results = [export.delay(name="daily", call=n) for n in range(3)]
+        assert [r.get(timeout=WAIT) for r in results] == [0, 1, 2]
+    assert len(recorder.of("duplicate_deferred")) >= 1
+    spans = sorted(
+        (start, end)
+        for (call, start), (_, end) in zip(
+            sorted(recorder.of("body")), sorted(recorder.of("end")), strict=True
+        )
+    )
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert end <= start  # never two bodies of one key at once
 
 
 def test_threads_pool_runs_leased_tasks(make_app: Callable[..., Celery]) -> None:
@@ -494,7 +472,12 @@ def test_eager_mode_follows_the_same_protocol(make_app: Callable[..., Celery]) -
     record = store_for(app).get("eager-1")
     assert record is not None
     assert record.state is LeaseState.COMPLETED
-    assert double.apply((4,), task_id="eager-1").state == "IGNORED"  # already completed
+    # an eager call is a new run of the job, serialized by the lease
+    again = double.apply((5,), task_id="eager-1")
+    assert again.get() == 10
+    record = store_for(app).get("eager-1")
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
 
 
 def test_eager_mode_raises_lease_held_instead_of_deferring(

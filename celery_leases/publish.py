@@ -1,0 +1,130 @@
+"""Publishing a leased message again: deferred duplicates, outages, fenced-out runs.
+
+A copy is the same send as the message it copies: same task id, arguments,
+options, headers, serializer, parent and root, and the same send id (see
+:mod:`celery_leases.sending`), with a countdown and a deferral count. It is
+published from outside the running task's context, so it does not become a
+child of itself.
+
+When publishing fails (the broker cannot be written to), the worker waits
+and tries again with exponential backoff up to ``leases_defer_max`` seconds
+in all, then rejects the message back to the queue: it never spins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from celery._state import _task_stack
+from celery.exceptions import Reject
+from kombu.serialization import registry
+
+from celery_leases import events, signals
+from celery_leases.lease import Lease
+from celery_leases.request import CONTENT_TYPE_KEY
+from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
+
+__all__ = ["DEFERRALS_HEADER", "deferrals_of", "publish_again"]
+
+logger = logging.getLogger("celery_leases")
+
+#: message header counting how often a message was deferred
+DEFERRALS_HEADER = "leases_deferrals"
+
+#: first wait after a failed publish (seconds); it doubles up to the cap
+FIRST_PUBLISH_RETRY = 0.5
+
+
+def deferrals_of(request: Any) -> int:
+    """How often the running message was deferred before."""
+    value = getattr(request, DEFERRALS_HEADER, None)
+    if value is None:
+        value = (request.headers or {}).get(DEFERRALS_HEADER, 0)
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+@contextlib.contextmanager
+def _outside_task_context() -> Iterator[None]:
+    # Celery makes the running task the parent of whatever it sends, and
+    # adds it to its children; a copy of the message is neither.
+    saved = []
+    while _task_stack.top is not None:
+        saved.append(_task_stack.pop())
+    try:
+        yield
+    finally:
+        for task in reversed(saved):
+            _task_stack.push(task)
+
+
+def publish_again(
+    task: Any,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    job_id: str,
+    reason: str,
+    countdown: float,
+    retry_for: float,
+    holder: str | None = None,
+    lease: Lease | None = None,
+) -> None:
+    """Publish the running message again after ``countdown`` seconds.
+
+    Args:
+        retry_for: how long to keep trying when publishing fails (seconds).
+
+    Raises:
+        Reject: publishing kept failing; the broker keeps the message (requeue).
+    """
+    deferrals = deferrals_of(request) + 1
+    headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
+    send_id = getattr(request, SEND_ID_HEADER, None) or headers.get(SEND_ID_HEADER)
+    options: dict[str, Any] = {"countdown": countdown, "headers": headers}
+    serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
+    if serializer:
+        options["serializer"] = serializer
+    signature = task.signature_from_request(request, args, kwargs, **options)
+    wait, waited = FIRST_PUBLISH_RETRY, 0.0
+    while True:
+        try:
+            with _outside_task_context(), keeping_send_id(send_id):
+                signature.apply_async(add_to_parent=False)
+            break
+        except Exception as exc:
+            if waited >= retry_for:
+                logger.error(
+                    "task %s[%s]: could not publish job %r again (%r) for %.1f s; "
+                    "rejecting the message back to the queue",
+                    task.name, request.id, job_id, exc, waited,
+                )  # fmt: skip
+                raise Reject(exc, requeue=True) from exc
+            wait = min(wait, retry_for - waited)
+            logger.warning(
+                "task %s[%s]: could not publish job %r again (%r); trying again in %.1f s",
+                task.name, request.id, job_id, exc, wait,
+            )  # fmt: skip
+            time.sleep(wait)
+            waited += wait
+            wait *= 2
+    logger.info(
+        "task %s[%s]: job %r deferred %.1f s (%s, deferral %d)",
+        task.name, request.id, job_id, countdown, reason, deferrals,
+    )  # fmt: skip
+    signals.duplicate_deferred.send(
+        sender=task, lease=lease, job_id=job_id, reason=reason, countdown=countdown,
+        deferrals=deferrals, holder=holder,
+    )  # fmt: skip
+    events.send_task_event(
+        task._get_app(), events.LEASE_DEFERRED, task_id=request.id,
+        hostname=request.hostname, job_id=job_id, reason=reason, countdown=countdown,
+        deferrals=deferrals,
+    )  # fmt: skip

@@ -1,0 +1,29 @@
+"""The worker-side request class of leased tasks.
+
+Celery does not pass a message's content type to the task, so a copy
+published again by the library would fall back to the task's default
+serializer (a message sent with ``serializer="pickle"`` would then fail to
+encode). :class:`LeasedRequest` adds the content type and encoding to the
+request the task sees, as ``request.leases_content_type`` and
+``request.leases_content_encoding``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.request import Request
+
+__all__ = ["CONTENT_ENCODING_KEY", "CONTENT_TYPE_KEY", "LeasedRequest"]
+
+CONTENT_TYPE_KEY = "leases_content_type"
+CONTENT_ENCODING_KEY = "leases_content_encoding"
+
+
+class LeasedRequest(Request):  # type: ignore[misc]  # celery ships no type hints
+    """A Celery request that tells the task its message's content type."""
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        self._request_dict[CONTENT_TYPE_KEY] = self.content_type
+        self._request_dict[CONTENT_ENCODING_KEY] = self.content_encoding

@@ -1,0 +1,257 @@
+"""The store steps of a leased run that are not its main flow.
+
+Completing and releasing with their retry rules, deferring a message whose
+job is held or whose store is down, answering a redelivery of a completed
+job, and recording a poison job. :mod:`celery_leases.task` calls them; each
+takes the running task as its first argument.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, NoReturn
+
+from celery.exceptions import Ignore
+from celery.states import READY_STATES
+
+from celery_leases import signals
+from celery_leases.errors import (
+    LeaseError,
+    LeaseHeld,
+    ResultUnavailable,
+    StoreUnavailable,
+    TakeoverLimitExceeded,
+)
+from celery_leases.lease import Lease
+from celery_leases.outcome import decode, encode_error
+from celery_leases.publish import deferrals_of, publish_again
+from celery_leases.runtime import settings_for
+from celery_leases.stores.base import (
+    Acquired,
+    AlreadyCompleted,
+    Completed,
+    CompleteResult,
+    HeldElsewhere,
+    Refusal,
+)
+
+__all__ = [
+    "answer_completed",
+    "complete",
+    "defer_held",
+    "defer_unavailable",
+    "outcome_options",
+    "reject_poison",
+    "release",
+]
+
+logger = logging.getLogger("celery_leases")
+
+#: the encoded result a completion keeps when the setting is absent
+DEFAULT_RESULT_MAX_BYTES = 65536
+
+
+def outcome_options(task: Any) -> dict[str, Any]:
+    """How ``task``'s outcomes are encoded for the lease record."""
+    app = task._get_app()
+    settings = settings_for(app)
+    return {
+        "serializer": app.conf.result_serializer,
+        "max_bytes": getattr(settings, "result_max_bytes", DEFAULT_RESULT_MAX_BYTES),
+    }
+
+
+def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult | None:
+    """Complete, retrying an unavailable store until the local deadline.
+
+    Returns:
+        The store's answer, or None when the outcome is unknown.
+    """
+    delay = 0.05
+    while True:
+        try:
+            result = lease.store.complete(
+                lease.job_id, lease.owner, lease.generation, outcome=outcome
+            )
+        except StoreUnavailable as exc:
+            if lease.remaining() <= delay:
+                logger.error(
+                    "could not complete job %r (generation %d): %s; the body ran but "
+                    "the completion is unknown, so the message is published again",
+                    lease.job_id, lease.generation, exc,
+                )  # fmt: skip
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        if isinstance(result, Completed):
+            lease.finish()
+        return result
+
+
+def release(task: Any, lease: Lease, reason: str, *, quiet: bool = False) -> bool:
+    """Give the lease up, fenced; False if the store refused (this run is stale).
+
+    Args:
+        quiet: a refusal is expected (the lease is known lost already).
+    """
+    try:
+        result = lease.store.release(lease.job_id, lease.owner, lease.generation)
+    except StoreUnavailable as exc:
+        logger.warning(
+            "could not release job %r (generation %d) after %s: %s; it runs out in %g s",
+            lease.job_id, lease.generation, reason, exc, lease.timing.ttl,
+        )  # fmt: skip
+        return True
+    if isinstance(result, Refusal):
+        if not quiet:
+            lease.mark_lost(result.error("release"))
+        return False
+    lease.finish()
+    signals.lease_released.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
+    return True
+
+
+def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
+    """Answer a redelivery of a completed job without running it.
+
+    The result backend's answer stays if it has one; otherwise the outcome
+    kept with the completion is returned (or raised) as this run's own.
+
+    Raises:
+        Ignore: the backend has the result already, or results are ignored.
+        ResultUnavailable: the result can be found nowhere.
+    """
+    signals.lease_skipped.send(
+        sender=task, lease=None, job_id=claim.job_id, generation=claim.generation,
+        task_id=request.id,
+    )  # fmt: skip
+    ignored = bool(request.ignore_result or task.ignore_result)
+    if not ignored and _stored_state(task, request.id) in READY_STATES:
+        logger.info(
+            "task %s[%s]: job %r was already completed by generation %d; skipping",
+            task.name, request.id, claim.job_id, claim.generation,
+        )  # fmt: skip
+        raise Ignore()
+    outcome = getattr(claim, "outcome", None)
+    if outcome is not None:
+        app = task._get_app()
+        kind, value = decode(outcome, accept=app.conf.result_accept_content or None)
+        logger.info(
+            "task %s[%s]: job %r was completed by generation %d; answering with the "
+            "outcome kept in its lease record",
+            task.name, request.id, claim.job_id, claim.generation,
+        )  # fmt: skip
+        if kind == "ok":
+            return value
+        error_type = (
+            TakeoverLimitExceeded if value["type"] == "TakeoverLimitExceeded" else LeaseError
+        )
+        raise error_type(str(value["message"]), job_id=claim.job_id, generation=claim.generation)
+    if ignored:
+        raise Ignore()
+    raise ResultUnavailable(
+        f"job {claim.job_id!r} was completed by generation {claim.generation}, but its result "
+        "is neither in the result backend nor kept with the completion (too large for "
+        "leases_result_max_bytes, or not serializable); send the task again with a new id "
+        "to run it again",
+        job_id=claim.job_id,
+        generation=claim.generation,
+    )
+
+
+def _stored_state(task: Any, task_id: str | None) -> str | None:
+    try:
+        meta = task.backend.get_task_meta(task_id)
+    except Exception:  # a disabled or unreachable backend: use the kept outcome
+        return None
+    return str(meta.get("status")) if meta else None
+
+
+def reject_poison(
+    task: Any,
+    lease: Lease,
+    claim: Acquired,
+    limit: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> NoReturn:
+    """Record a poison job as failed without running it."""
+    message = (
+        f"job {claim.job_id!r} of task {task.name!r} took over a run-out lease "
+        f"{claim.takeovers} times (limit {limit}): every worker that ran it died or "
+        "stalled, so it is recorded as failed without running; fix the task, then "
+        "send it with a new id, or raise lease_max_takeovers"
+    )
+    logger.error(message)
+    error = TakeoverLimitExceeded(
+        message,
+        job_id=claim.job_id,
+        owner=claim.owner,
+        generation=claim.generation,
+        takeovers=claim.takeovers,
+        limit=limit,
+    )
+    result = complete(task, lease, encode_error(error, **outcome_options(task)))
+    request = task.request
+    if result is None:
+        task._fenced_out(lease, request, args, kwargs, "completion-unknown")
+    if isinstance(result, Refusal):
+        task._fenced_out(lease, request, args, kwargs, result.reason.value)
+    signals.lease_completed.send(sender=task, lease=lease, job_id=lease.job_id)
+    raise error
+
+
+def defer_held(
+    task: Any,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    claim: HeldElsewhere,
+    defer_max: float,
+) -> NoReturn:
+    """Publish the message again for when the holder's lease runs out."""
+    if request.is_eager or request.called_directly:
+        raise LeaseHeld(
+            f"job {claim.job_id!r} is held by {claim.holder} (generation "
+            f"{claim.generation}) for {claim.remaining:.1f} s more; an eager or direct "
+            "call cannot be deferred, so try again later",
+            job_id=claim.job_id,
+            holder=claim.holder,
+            generation=claim.generation,
+            remaining=claim.remaining,
+        )
+    countdown = min(claim.remaining + random.uniform(0.5, 1.0), defer_max)
+    publish_again(
+        task, request, args, kwargs, job_id=claim.job_id, reason="held", countdown=countdown,
+        retry_for=defer_max, holder=claim.holder,
+    )  # fmt: skip
+    raise Ignore()
+
+
+def defer_unavailable(
+    task: Any,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    job_id: str,
+    defer_max: float,
+    exc: StoreUnavailable,
+) -> NoReturn:
+    """Publish the message again with exponential backoff, capped at ``defer_max``."""
+    if request.is_eager or request.called_directly:
+        raise exc
+    settings = settings_for(task._get_app())
+    backoff = settings.defer_backoff * 2 ** min(deferrals_of(request), 30)
+    countdown = min(backoff * random.uniform(1.0, 1.2), defer_max)
+    logger.warning(
+        "task %s[%s]: lease store unavailable at claim (%s); deferring %.1f s (deferral %d)",
+        task.name, request.id, exc, countdown, deferrals_of(request) + 1,
+    )  # fmt: skip
+    publish_again(
+        task, request, args, kwargs, job_id=job_id, reason="store-unavailable",
+        countdown=countdown, retry_for=defer_max,
+    )  # fmt: skip
+    raise Ignore() from exc

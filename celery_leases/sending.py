@@ -1,0 +1,75 @@
+"""Send ids: which deliveries are the same run of a job, and which are new.
+
+Celery runs a message sent again with the same task id as a new run (a
+retry, ``replace()``, a chain step, a user re-sending on purpose); only a
+redelivery of the same message by the broker is the same send. So every
+published message gets a fresh send id in the :data:`SEND_ID_HEADER` header
+(in ``before_task_publish``, connected when this package is imported), and
+the lease record keeps the send id of the run that holds or completed it:
+
+- a delivery whose send id is the completing run's is a redelivery: it is
+  skipped and answers its client with the stored result;
+- any other send is a new run of the job, serialized by the lease;
+- the library's own deferred copy keeps the send id of the message it copies.
+
+Eager and direct calls are always new runs. A message published by a client
+that never imported celery_leases has no send id; it is treated as a
+redelivery of whatever completed the job, as before send ids existed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from celery.signals import before_task_publish
+
+__all__ = ["SEND_ID_HEADER", "keeping_send_id", "send_id_of"]
+
+#: message header holding the send id
+SEND_ID_HEADER = "leases_send_id"
+
+
+class _Local(threading.local):
+    keep: str | None = None
+
+
+_local = _Local()
+
+
+@contextlib.contextmanager
+def keeping_send_id(send_id: str | None) -> Iterator[None]:
+    """Publish in this block with ``send_id`` instead of a fresh one (a deferred copy)."""
+    previous, _local.keep = _local.keep, send_id or ""
+    try:
+        yield
+    finally:
+        _local.keep = previous
+
+
+def _stamp(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if headers is None:
+        return
+    keep = _local.keep
+    if keep is None:
+        headers[SEND_ID_HEADER] = uuid.uuid4().hex
+    elif keep:
+        headers[SEND_ID_HEADER] = keep
+    else:
+        headers.pop(SEND_ID_HEADER, None)
+
+
+before_task_publish.connect(_stamp, weak=False, dispatch_uid="celery_leases.send_id")
+
+
+def send_id_of(request: Any) -> str | None:
+    """The send id of the running delivery; a fresh one for eager and direct calls."""
+    if request.is_eager or request.called_directly:
+        return uuid.uuid4().hex
+    value = getattr(request, SEND_ID_HEADER, None)
+    if value is None:
+        value = (request.headers or {}).get(SEND_ID_HEADER)
+    return str(value) if value else None

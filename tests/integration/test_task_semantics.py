@@ -1,0 +1,280 @@
+"""Celery's own ways of running a task again, under LeasedTask.
+
+``replace()``, ``retry()`` (also with ``throw=False``), recursion, eager
+chains whose steps share a task id, copies that keep their parent, the
+re-entrant claim, and :func:`celery_leases.stop`. Real worker in this
+process, real Redis broker and result backend.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from celery import Celery, chain
+
+import celery_leases
+from celery_leases import LeasedTask, LeaseState
+from celery_leases.sending import SEND_ID_HEADER
+from celery_leases.stores.memory import ManualClock
+from celery_leases.task import store_for
+from tests.integration.conftest import WAIT, Recorder, worker
+from tests.proxy import Proxy
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+
+# --- replace ------------------------------------------------------------------------
+
+
+def test_replace_in_eager_mode_runs_the_replacement(make_app: Callable[..., Celery]) -> None:
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def add(self: LeasedTask, x: int, y: int) -> int:
+        return x + y
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def outer(self: LeasedTask, x: int) -> Any:
+        return self.replace(add.s(x, 1))
+
+    # apply(), not apply_async(): Celery itself forbids the join of an eager
+    # replacement inside apply_async() (plain tasks too)
+    assert outer.apply((41,), task_id="replaced-1").get() == 42
+    record = store_for(app).get("replaced-1")
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+
+
+def test_replace_in_a_worker_hands_the_job_to_the_replacement(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def add(self: LeasedTask, x: int, y: int) -> int:
+        recorder.add("add", self.lease.generation)
+        return x + y
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def outer(self: LeasedTask, x: int) -> Any:
+        recorder.add("outer", self.lease.generation)
+        return self.replace(add.s(x, 1))
+
+    with worker(app):
+        result = outer.delay(41)
+        assert result.get(timeout=WAIT) == 42
+    [outer_generation] = recorder.of("outer")
+    [add_generation] = recorder.of("add")
+    assert add_generation == outer_generation + 1
+    assert recorder.of("duplicate_deferred") == []  # released before the replacement went out
+
+
+# --- recursion and re-entrant claims -----------------------------------------------------
+
+
+def test_a_task_calling_itself_directly_runs_every_call(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def factorial(self: LeasedTask, n: int) -> int:
+        recorder.add("call", (n, self.request.id))
+        return 1 if n <= 1 else n * factorial(n - 1)
+
+    with worker(app):
+        result = factorial.delay(5)
+        assert result.get(timeout=WAIT) == 120
+    calls = recorder.of("call")
+    assert [n for n, _ in calls] == [5, 4, 3, 2, 1]
+    assert calls[0][1] == result.id  # the outer run kept its own id
+    assert recorder.of("duplicate_deferred") == []
+
+
+def test_a_task_calling_itself_directly_runs_every_call_in_eager_mode(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def factorial(self: LeasedTask, n: int) -> int:
+        return 1 if n <= 1 else n * factorial(n - 1)
+
+    assert factorial.delay(6).get() == 720
+
+
+def test_a_claim_on_a_job_this_thread_holds_is_reentrant(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_key="tree:{root}")
+    def walk(self: LeasedTask, root: str, depth: int) -> int:
+        recorder.add("generation", self.lease.generation)
+        return depth if depth == 0 else walk(root, depth - 1) + 1
+
+    with worker(app):
+        assert walk.delay("a", 3).get(timeout=WAIT) == 3
+    generations = recorder.of("generation")
+    assert len(generations) == 4
+    assert len(set(generations)) == 1  # every nested call ran inside the same lease
+
+
+# --- chains --------------------------------------------------------------------------------
+
+
+def test_an_eager_chain_whose_steps_share_a_task_id_runs_every_step(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(task_always_eager=True, task_eager_propagates=True)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def add(self: LeasedTask, x: int, y: int) -> int:
+        return x + y
+
+    steps = chain(add.s(1, 1), add.s(2), add.s(3))
+    assert steps.apply_async(task_id="shared-id").get() == 7
+    # applying the same chain object again is a new run of every step
+    assert steps.apply_async(task_id="shared-id").get() == 7
+
+
+# --- retry ---------------------------------------------------------------------------------
+
+
+def test_retry_without_throw_still_retries(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, max_retries=1)
+    def flaky(self: LeasedTask) -> str:
+        recorder.add("attempt", (self.request.retries, self.lease.generation))
+        if self.request.retries == 0:
+            self.retry(countdown=0.2, throw=False)
+            return "first attempt returned"
+        return "retried"
+
+    with worker(app):
+        flaky.delay()
+        attempts = recorder.wait("attempt", count=2)
+    (first_try, first_generation), (second_try, second_generation) = attempts
+    assert (first_try, second_try) == (0, 1)
+    assert second_generation == first_generation + 1
+
+
+def test_a_stale_run_calling_retry_writes_nothing_and_sends_no_retry(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    clock = ManualClock()
+    app = make_app(leases_store_options={"clock": clock})
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=30)
+    def stale(self: LeasedTask) -> None:
+        recorder.add("attempt", self.request.retries)
+        clock.advance(31)  # the lease runs out by the store's clock; a redelivery takes it
+        store_for(app).claim(
+            self.lease.job_id, "successor:2:def", 600, send_id=self.request.get(SEND_ID_HEADER)
+        )
+        raise self.retry(countdown=0)
+
+    with worker(app):
+        result = stale.delay()
+        [fenced] = recorder.wait("lease_fenced_out")
+        time.sleep(1.5)  # a retry, had one been sent, would have run by now
+        meta = app.backend.get_task_meta(result.id, cache=False)
+    assert fenced["reason"] == "superseded"
+    assert meta["status"] == "PENDING"  # no RETRY over the holder's run
+    assert recorder.of("attempt") == [0]
+
+
+# --- copies --------------------------------------------------------------------------------
+
+
+def test_a_deferred_copy_keeps_its_parent_and_root(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def child(self: LeasedTask) -> None:
+        recorder.add("ids", (self.request.parent_id, self.request.root_id))
+
+    held_id, orphan_id = uuid.uuid4().hex, uuid.uuid4().hex
+    store = store_for(app)
+    store.claim(held_id, "another-worker:1:abc", 1.0)
+    store.claim(orphan_id, "another-worker:1:abc", 1.0)
+    with worker(app):
+        adopted = child.apply_async(task_id=held_id, parent_id="parent-1", root_id="root-1")
+        orphan = child.apply_async(task_id=orphan_id)
+        adopted.get(timeout=WAIT)
+        orphan.get(timeout=WAIT)
+        assert len(recorder.of("duplicate_deferred")) >= 2
+    assert sorted(recorder.of("ids"), key=str) == sorted(
+        [("parent-1", "root-1"), (None, orphan_id)], key=str
+    )
+    assert adopted.children in (None, [])  # the copy is not a child of itself
+
+
+# --- fenced-out runs ------------------------------------------------------------------------
+
+
+def test_a_run_lost_by_its_deadline_releases_so_the_copy_runs_without_a_takeover(
+    make_app: Callable[..., Celery], redis_server: RedisServer, recorder: Recorder, unique: str
+) -> None:
+    with Proxy("127.0.0.1", redis_server.port) as proxy:
+        app = make_app(
+            f"redis://127.0.0.1:{proxy.port}/0",
+            leases_store_options={"prefix": f"fo{unique}:", "socket_timeout": 1.0},
+        )
+
+        @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5, lease_on_lost="flag")
+        def job(self: LeasedTask) -> int:
+            recorder.add("run", self.lease.generation)
+            if len(recorder.of("run")) == 1:
+                proxy.blackhole()  # renewals vanish: the lease is lost by the local clock
+                time.sleep(self.lease.remaining() + 0.2)
+                proxy.heal()
+            return int(self.lease.generation)
+
+        with worker(app):
+            result = job.delay()
+            generation = result.get(timeout=WAIT)
+        [first, second] = recorder.of("run")
+        [fenced] = recorder.of("lease_fenced_out")
+        record = store_for(app).get(result.id)
+    assert fenced["reason"] == "deadline"
+    assert generation == second == first + 1
+    assert record is not None
+    assert record.takeovers == 0  # the fenced-out run gave its lease back
+
+
+# --- stop() ---------------------------------------------------------------------------------
+
+
+def test_stop_ends_every_lease_thread_and_the_next_run_starts_them_again(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(task_always_eager=True)
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=3)
+    def slow(self: LeasedTask) -> int:
+        time.sleep(1.2)  # long enough for a renewal and a notification
+        return int(self.lease.generation)
+
+    def lease_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("celery-leases")]
+
+    slow.delay().get()
+    assert lease_threads()
+    celery_leases.stop()
+    assert lease_threads() == []
+    celery_leases.stop()  # idempotent
+    assert slow.delay().get() > 0
+    celery_leases.stop()
+    assert lease_threads() == []
