@@ -81,7 +81,7 @@ def test_complete_whose_reply_was_lost_is_completed_when_sent_again(
     proxy.drop_next_reply()
     with pytest.raises(StoreUnavailable, match="complete of job 'job-1'"):
         store.complete(JOB, A, held.generation, outcome=b"result")
-    assert proxy.dropped == 1
+    assert proxy.dropped_replies == 1
     # Redis applied the first completion; only its reply was lost
     assert raw.hget(store.key(JOB), "state") == b"completed"
     assert store.complete(JOB, A, held.generation, outcome=b"result") == Completed(
