@@ -29,6 +29,7 @@ from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.settings import check_defer_max
 from celery_leases.stores import open_store
 from celery_leases.stores.base import Released
 
@@ -186,9 +187,14 @@ def check_app(app: Any, *, pool: str = "") -> list[str]:
                 "would drop the job. Remove acks_late=False from the task (and check "
                 "task_acks_late), or do not use LeasedTask for it"
             )
-        timing = task.lease_timing()
+        try:
+            timing = task.lease_timing()
+        except LeaseConfigurationError as exc:
+            raise LeaseConfigurationError(f"task {task.name!r}: {exc}") from exc
         mode = task.lease_on_lost_mode()
         task.lease_takeover_limit()
+        if task.lease_defer_max is not None:
+            check_defer_max(task.lease_defer_max, f"{task.name}.lease_defer_max")
         key = type(task).lease_key
         if key is not None and not isinstance(key, str) and not callable(key):
             raise LeaseConfigurationError(

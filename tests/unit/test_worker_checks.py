@@ -78,3 +78,48 @@ def test_a_time_limit_past_the_visibility_timeout_is_reported(app: Celery) -> No
     assert len(reported) == 1
     assert "long_job" in reported[0]
     assert "7200 s" in reported[0]
+
+
+@pytest.mark.parametrize("value", [0, "60", float("nan"), float("inf"), -1, 86401, True])
+def test_a_task_with_a_bad_defer_max_stops_the_worker(app: Celery, value: object) -> None:
+    app.conf.leases_store = "memory://"
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_defer_max=value)
+    def deferring(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    with pytest.raises(LeaseConfigurationError, match=r"deferring\.lease_defer_max must be"):
+        check_app(app, pool="prefork")
+
+
+def test_a_task_with_a_good_defer_max_starts(app: Celery) -> None:
+    app.conf.leases_store = "memory://"
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_defer_max=86400)
+    def deferring(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    assert check_app(app, pool="prefork") == []
+
+
+@pytest.mark.parametrize("ttl", [1e11, 1e16, float("nan"), 0])
+def test_a_task_with_a_bad_ttl_stops_the_worker_naming_the_task(app: Celery, ttl: float) -> None:
+    app.conf.leases_store = "memory://"
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=ttl)
+    def timed(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    with pytest.raises(LeaseConfigurationError, match=r"task '.*timed'.*lease_ttl\) must be"):
+        check_app(app, pool="prefork")
+
+
+def test_store_options_that_are_not_a_dict_stop_the_worker(app: Celery) -> None:
+    app.conf.leases_store = "memory://"
+    app.conf.leases_store_options = "x"
+    _leased(app)
+    with pytest.raises(LeaseConfigurationError, match="leases_store_options must be a dict"):
+        check_app(app, pool="prefork")
