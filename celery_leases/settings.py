@@ -7,8 +7,8 @@ key                           default         meaning
 ============================  ==============  ==============================================
 ``leases_store``              (required)      URL of the lease store
 ``leases_store_options``      ``{}``          keyword arguments for ``open_store`` (a dict)
-``leases_ttl``                ``60.0``        seconds a claim or renewal lasts (at most 86400)
-``leases_renew_interval``     ``ttl / 3``     seconds between heartbeat renewals
+``leases_ttl``                ``60.0``        seconds a claim or renewal lasts (0.1 to 86400)
+``leases_renew_interval``     ``ttl / 3``     seconds between heartbeat renewals (>= 0.01)
 ``leases_drift_margin``       see below       seconds cut off the local deadline
 ``leases_on_lost``            ``"flag"``      ``"flag"``, ``"raise"`` or ``"stop"``
 ``leases_max_takeovers``      ``5``           takeovers before a job is poison
@@ -40,6 +40,8 @@ __all__ = [
     "MAX_DEFER",
     "MAX_RESULT_MAX_BYTES",
     "MAX_TTL",
+    "MIN_RENEW_INTERVAL",
+    "MIN_TTL",
     "ON_LOST_MODES",
     "LeaseSettings",
     "LeaseTiming",
@@ -57,6 +59,12 @@ ON_LOST_MODES: tuple[OnLost, ...] = ("flag", "raise", "stop")
 #: kept alive by renewals, not by a longer ttl. The store layer is to hold
 #: the same constant (stores.base.MAX_TTL); keep the two equal.
 MAX_TTL = 86400.0
+#: the shortest lease ttl, in seconds: a shorter lease runs out within a few
+#: store round trips, and its default renew interval (ttl/3) would keep the
+#: heartbeat renewing in a tight loop
+MIN_TTL = 0.1
+#: the shortest renew interval, in seconds, for the same reason
+MIN_RENEW_INTERVAL = 0.01
 #: the longest deferral delay and backoff, in seconds (one day)
 MAX_DEFER = 86400.0
 #: the largest ``leases_result_max_bytes`` (1 MiB): a lease record is read on
@@ -71,7 +79,12 @@ def default_drift_margin(ttl: float) -> float:
 
 
 def _seconds(
-    name: str, value: object, *, allow_zero: bool = False, maximum: float | None = None
+    name: str,
+    value: object,
+    *,
+    allow_zero: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> float:
     if (
         isinstance(value, bool)
@@ -79,10 +92,15 @@ def _seconds(
         or not math.isfinite(value)
         or value < 0
         or (value == 0 and not allow_zero)
+        or (minimum is not None and value < minimum)
         or (maximum is not None and value > maximum)
     ):
         wanted = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
-        if maximum is not None:
+        if minimum is not None and maximum is not None:
+            wanted = f"a number of seconds from {minimum:g} to {maximum:g}"
+        elif minimum is not None:
+            wanted = f"a number of seconds of at least {minimum:g}"
+        elif maximum is not None:
             wanted += f" of at most {maximum:g}"
         raise LeaseConfigurationError(f"{name} must be {wanted}, got {value!r}")
     return float(value)
@@ -105,7 +123,7 @@ class LeaseTiming:
     drift_margin: float
 
     def __post_init__(self) -> None:
-        ttl = _seconds(_TTL_NAME, self.ttl, maximum=MAX_TTL)
+        ttl = _seconds(_TTL_NAME, self.ttl, minimum=MIN_TTL, maximum=MAX_TTL)
         drift = _seconds(
             "the drift margin (leases_drift_margin / lease_drift_margin)",
             self.drift_margin,
@@ -114,6 +132,7 @@ class LeaseTiming:
         renew = _seconds(
             "the renew interval (leases_renew_interval / lease_renew_interval)",
             self.renew_interval,
+            minimum=MIN_RENEW_INTERVAL,
         )
         if drift >= ttl / 2:
             raise LeaseConfigurationError(
@@ -213,7 +232,9 @@ class LeaseSettings:
         Raises:
             LeaseConfigurationError: the resulting timing is invalid.
         """
-        ttl = _seconds(_TTL_NAME, self.ttl if ttl is None else ttl, maximum=MAX_TTL)
+        ttl = _seconds(
+            _TTL_NAME, self.ttl if ttl is None else ttl, minimum=MIN_TTL, maximum=MAX_TTL
+        )
         if renew_interval is None:
             renew_interval = self.renew_interval if self.renew_interval is not None else ttl / 3
         if drift_margin is None:

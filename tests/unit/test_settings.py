@@ -10,6 +10,8 @@ from celery_leases.settings import (
     MAX_DEFER,
     MAX_RESULT_MAX_BYTES,
     MAX_TTL,
+    MIN_RENEW_INTERVAL,
+    MIN_TTL,
     check_defer_max,
     default_drift_margin,
 )
@@ -110,14 +112,19 @@ BAD_IDS = ["true", "false", "str", "nan", "inf", "-inf", "negative", "zero", "ze
 
 @pytest.mark.parametrize("value", BAD_SECONDS, ids=BAD_IDS)
 def test_a_bad_ttl_is_refused_naming_the_setting(value: object) -> None:
-    with pytest.raises(LeaseConfigurationError, match=r"leases_ttl / lease_ttl\) must be a pos"):
+    with pytest.raises(
+        LeaseConfigurationError,
+        match=r"leases_ttl / lease_ttl\) must be a number of seconds from 0\.1 to 86400",
+    ):
         LeaseSettings(store_url="memory://", ttl=value)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", BAD_SECONDS[:-1], ids=BAD_IDS[:-1])
 def test_a_bad_task_ttl_is_refused_naming_the_setting(value: object) -> None:
     settings = LeaseSettings(store_url="memory://")
-    with pytest.raises(LeaseConfigurationError, match=r"lease_ttl\) must be a positive number"):
+    with pytest.raises(
+        LeaseConfigurationError, match=r"lease_ttl\) must be a number of seconds from 0\.1 to 86400"
+    ):
         settings.timing(ttl=value)  # type: ignore[arg-type]
 
 
@@ -191,10 +198,27 @@ def test_the_largest_ttl_is_accepted() -> None:
 
 
 def test_just_past_the_largest_ttl_is_refused() -> None:
-    with pytest.raises(LeaseConfigurationError, match="at most 86400"):
+    with pytest.raises(LeaseConfigurationError, match=r"from 0\.1 to 86400"):
         LeaseSettings(store_url="memory://", ttl=MAX_TTL + 0.001)
-    with pytest.raises(LeaseConfigurationError, match="at most 86400"):
+    with pytest.raises(LeaseConfigurationError, match=r"from 0\.1 to 86400"):
         LeaseTiming(ttl=MAX_TTL + 1, renew_interval=1.0, drift_margin=0.0)
+
+
+def test_the_shortest_ttl_and_renew_interval_are_accepted() -> None:
+    timing = LeaseSettings(store_url="memory://", ttl=MIN_TTL).timing()
+    assert timing.ttl == 0.1
+    shortest = LeaseTiming(ttl=MIN_TTL, renew_interval=MIN_RENEW_INTERVAL, drift_margin=0.0)
+    assert shortest.renew_interval == 0.01
+
+
+def test_a_ttl_or_renew_interval_too_short_to_renew_is_refused() -> None:
+    # a heartbeat renewing every microsecond would hammer the store
+    with pytest.raises(LeaseConfigurationError, match=r"from 0\.1 to 86400, got 0\.099"):
+        LeaseSettings(store_url="memory://", ttl=0.099)
+    with pytest.raises(LeaseConfigurationError, match=r"lease_ttl\) must be a number"):
+        LeaseSettings(store_url="memory://").timing(ttl=0.001)
+    with pytest.raises(LeaseConfigurationError, match=r"renew interval .* at least 0\.01"):
+        LeaseSettings(store_url="memory://", renew_interval=0.009)
 
 
 def test_the_smallest_and_largest_deferrals_are_accepted() -> None:
