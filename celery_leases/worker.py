@@ -303,7 +303,7 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
         # a message that had to be cleaned must not come back in a traceback
         cause = error if message == str(error) else None
         raise LeaseConfigurationError(
-            f"the lease store cannot be used: {message}. Change leases_store or "
+            f"the lease store cannot be used: {message.rstrip('.')}. Change leases_store or "
             "leases_store_options (or --leases-store)"
         ) from cause
     raise error
