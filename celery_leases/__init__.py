@@ -19,6 +19,7 @@ from celery_leases.errors import (
     TakeoverLimitExceeded,
 )
 from celery_leases.lease import Lease
+from celery_leases.runtime import stop
 from celery_leases.settings import LeaseSettings, LeaseTiming
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import (
@@ -35,7 +36,6 @@ from celery_leases.stores.base import (
     Renewed,
     RenewRequest,
 )
-from celery_leases.runtime import stop
 from celery_leases.task import LeasedTask
 from celery_leases.worker import install
 

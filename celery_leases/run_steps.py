@@ -49,17 +49,13 @@ __all__ = [
 
 logger = logging.getLogger("celery_leases")
 
-#: the encoded result a completion keeps when the setting is absent
-DEFAULT_RESULT_MAX_BYTES = 65536
-
-
 def outcome_options(task: Any) -> dict[str, Any]:
     """How ``task``'s outcomes are encoded for the lease record."""
     app = task._get_app()
     settings = settings_for(app)
     return {
         "serializer": app.conf.result_serializer,
-        "max_bytes": getattr(settings, "result_max_bytes", DEFAULT_RESULT_MAX_BYTES),
+        "max_bytes": settings.result_max_bytes,
     }
 
 

@@ -2,22 +2,29 @@
 
 Every key is prefixed ``leases_`` in ``app.conf``:
 
-=========================  ==================  ==========================================
-key                        default             meaning
-=========================  ==================  ==========================================
-``leases_store``           (required)          URL of the lease store
-``leases_store_options``   ``{}``              keyword arguments for ``open_store``
-``leases_ttl``             ``60.0``            seconds a claim or renewal lasts
-``leases_renew_interval``  ``ttl / 3``         seconds between heartbeat renewals
-``leases_drift_margin``    see below           seconds cut off the local deadline
-``leases_on_lost``         ``"raise"``         ``"flag"``, ``"raise"`` or ``"stop"``
-``leases_max_takeovers``   ``5``               takeovers before a job is poison
-``leases_defer_backoff``   ``1.0``             first delay when the store is down
-``leases_defer_max``       ``60.0``            cap on any deferral delay
-=========================  ==================  ==========================================
+============================  ==============  ==============================================
+key                           default         meaning
+============================  ==============  ==============================================
+``leases_store``              (required)      URL of the lease store
+``leases_store_options``      ``{}``          keyword arguments for ``open_store`` (a dict)
+``leases_ttl``                ``60.0``        seconds a claim or renewal lasts (0.1 to 86400)
+``leases_renew_interval``     ``ttl / 3``     seconds between heartbeat renewals (>= 0.01)
+``leases_drift_margin``       see below       seconds cut off the local deadline
+``leases_on_lost``            ``"flag"``      ``"flag"``, ``"raise"`` or ``"stop"``
+``leases_max_takeovers``      ``5``           takeovers before a job is poison
+``leases_defer_backoff``      ``1.0``         first delay when the store is down (<= 86400)
+``leases_defer_max``          ``60.0``        cap on any deferral delay (<= 86400)
+``leases_result_max_bytes``   ``65536``       largest encoded result kept in the lease
+                                              record for a redelivered copy; 0: none;
+                                              at most 1048576
+============================  ==============  ==============================================
 
 The default drift margin is 5 % of the TTL, at least 0.5 s, and never more
-than a quarter of the TTL.
+than a quarter of the TTL. Every value of seconds must be a finite number.
+
+``"flag"`` is cooperative: a lost lease sets ``lease.lost``, and
+``lease.check()`` and every fenced helper refuse from then on; nothing is
+raised into the task's thread.
 """
 
 from __future__ import annotations
@@ -29,16 +36,38 @@ from typing import Any, Literal
 
 from celery_leases.errors import LeaseConfigurationError
 
+# the longest lease ttl: one constant for the settings and the stores
+from celery_leases.stores.checks import MAX_TTL
+
 __all__ = [
+    "MAX_DEFER",
+    "MAX_RESULT_MAX_BYTES",
+    "MAX_TTL",
+    "MIN_RENEW_INTERVAL",
+    "MIN_TTL",
     "ON_LOST_MODES",
     "LeaseSettings",
     "LeaseTiming",
     "OnLost",
+    "check_defer_max",
     "default_drift_margin",
 ]
 
 OnLost = Literal["flag", "raise", "stop"]
 ON_LOST_MODES: tuple[OnLost, ...] = ("flag", "raise", "stop")
+
+#: the shortest lease ttl, in seconds: a shorter lease runs out within a few
+#: store round trips, and its default renew interval (ttl/3) would keep the
+#: heartbeat renewing in a tight loop
+MIN_TTL = 0.1
+#: the shortest renew interval, in seconds, for the same reason
+MIN_RENEW_INTERVAL = 0.01
+#: the longest deferral delay and backoff, in seconds (one day)
+MAX_DEFER = 86400.0
+#: the largest ``leases_result_max_bytes`` (1 MiB): a lease record is read on
+#: every claim, so it must stay small
+MAX_RESULT_MAX_BYTES = 1048576
+DEFAULT_RESULT_MAX_BYTES = 65536
 
 
 def default_drift_margin(ttl: float) -> float:
@@ -46,17 +75,35 @@ def default_drift_margin(ttl: float) -> float:
     return min(max(0.5, ttl * 0.05), ttl / 4)
 
 
-def _seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+def _seconds(
+    name: str,
+    value: object,
+    *,
+    allow_zero: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or value < 0
         or (value == 0 and not allow_zero)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
     ):
         wanted = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        if minimum is not None and maximum is not None:
+            wanted = f"a number of seconds from {minimum:g} to {maximum:g}"
+        elif minimum is not None:
+            wanted = f"a number of seconds of at least {minimum:g}"
+        elif maximum is not None:
+            wanted += f" of at most {maximum:g}"
         raise LeaseConfigurationError(f"{name} must be {wanted}, got {value!r}")
     return float(value)
+
+
+_TTL_NAME = "the lease ttl (leases_ttl / lease_ttl)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +120,7 @@ class LeaseTiming:
     drift_margin: float
 
     def __post_init__(self) -> None:
-        ttl = _seconds("the lease ttl (leases_ttl / lease_ttl)", self.ttl)
+        ttl = _seconds(_TTL_NAME, self.ttl, minimum=MIN_TTL, maximum=MAX_TTL)
         drift = _seconds(
             "the drift margin (leases_drift_margin / lease_drift_margin)",
             self.drift_margin,
@@ -82,6 +129,7 @@ class LeaseTiming:
         renew = _seconds(
             "the renew interval (leases_renew_interval / lease_renew_interval)",
             self.renew_interval,
+            minimum=MIN_RENEW_INTERVAL,
         )
         if drift >= ttl / 2:
             raise LeaseConfigurationError(
@@ -114,10 +162,11 @@ class LeaseSettings:
     ttl: float = 60.0
     renew_interval: float | None = None
     drift_margin: float | None = None
-    on_lost: OnLost = "raise"
+    on_lost: OnLost = "flag"
     max_takeovers: int | None = 5
     defer_backoff: float = 1.0
     defer_max: float = 60.0
+    result_max_bytes: int = DEFAULT_RESULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_url, str) or not self.store_url.strip():
@@ -126,18 +175,17 @@ class LeaseSettings:
                 "lease store URL (for example 'redis://localhost:6379/0' or "
                 "'postgresql+psycopg://user@host/db'), or pass --leases-store to the worker"
             )
-        if not isinstance(self.store_options, Mapping):
-            raise LeaseConfigurationError(
-                f"leases_store_options must be a dict, got {self.store_options!r}"
-            )
+        _check_store_options(self.store_options)
         check_on_lost(self.on_lost, "leases_on_lost")
         check_max_takeovers(self.max_takeovers, "leases_max_takeovers")
-        backoff = _seconds("leases_defer_backoff", self.defer_backoff)
-        if _seconds("leases_defer_max", self.defer_max) < backoff:
+        backoff = _seconds("leases_defer_backoff", self.defer_backoff, maximum=MAX_DEFER)
+        if check_defer_max(self.defer_max, "leases_defer_max") < backoff:
             raise LeaseConfigurationError(
                 f"leases_defer_max ({self.defer_max:g} s) must not be below "
-                f"leases_defer_backoff ({backoff:g} s)"
+                f"leases_defer_backoff ({backoff:g} s): raise leases_defer_max or lower "
+                "leases_defer_backoff"
             )
+        check_result_max_bytes(self.result_max_bytes, "leases_result_max_bytes")
         self.timing()
 
     @classmethod
@@ -152,16 +200,19 @@ class LeaseSettings:
             value = conf.get(key)
             return default if value is None else value
 
+        options = get("leases_store_options", {})
+        _check_store_options(options)
         return cls(
             store_url=get("leases_store", ""),
-            store_options=dict(get("leases_store_options", {})),
+            store_options=dict(options),
             ttl=get("leases_ttl", 60.0),
             renew_interval=conf.get("leases_renew_interval"),
             drift_margin=conf.get("leases_drift_margin"),
-            on_lost=get("leases_on_lost", "raise"),
+            on_lost=get("leases_on_lost", "flag"),
             max_takeovers=get("leases_max_takeovers", 5),
             defer_backoff=get("leases_defer_backoff", 1.0),
             defer_max=get("leases_defer_max", 60.0),
+            result_max_bytes=get("leases_result_max_bytes", DEFAULT_RESULT_MAX_BYTES),
         )
 
     def timing(
@@ -178,7 +229,9 @@ class LeaseSettings:
         Raises:
             LeaseConfigurationError: the resulting timing is invalid.
         """
-        ttl = _seconds("the lease ttl (leases_ttl / lease_ttl)", self.ttl if ttl is None else ttl)
+        ttl = _seconds(
+            _TTL_NAME, self.ttl if ttl is None else ttl, minimum=MIN_TTL, maximum=MAX_TTL
+        )
         if renew_interval is None:
             renew_interval = self.renew_interval if self.renew_interval is not None else ttl / 3
         if drift_margin is None:
@@ -209,5 +262,38 @@ def check_max_takeovers(value: object, name: str) -> int | None:
 
 
 def check_defer_max(value: object, name: str) -> float:
-    """Check a cap on deferral delays; raises LeaseConfigurationError naming ``name``."""
-    return _seconds(name, value)
+    """Check a cap on deferral delays, in seconds; raises LeaseConfigurationError naming ``name``.
+
+    A positive, finite number of at most :data:`MAX_DEFER` (one day): zero
+    would re-publish a deferred message in a tight loop.
+    """
+    return _seconds(name, value, maximum=MAX_DEFER)
+
+
+def check_result_max_bytes(value: object, name: str) -> int:
+    """Check a result size limit in bytes (0: keep no result); raises LeaseConfigurationError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 0 <= value <= MAX_RESULT_MAX_BYTES
+    ):
+        raise LeaseConfigurationError(
+            f"{name} must be a whole number of bytes from 0 (keep no result) to "
+            f"{MAX_RESULT_MAX_BYTES}, got {value!r}"
+        )
+    return value
+
+
+def _check_store_options(value: object) -> None:
+    # the value is not echoed: store options may hold a password
+    if not isinstance(value, Mapping):
+        raise LeaseConfigurationError(
+            "leases_store_options must be a dict of keyword arguments for the store "
+            f"(for example {{'prefix': 'leases:'}}), got a {type(value).__name__}"
+        )
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise LeaseConfigurationError(
+                "leases_store_options must be a dict whose keys are keyword argument "
+                f"names of the store, got the key {key!r}"
+            )

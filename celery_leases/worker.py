@@ -6,9 +6,11 @@ first bound to an app, so users need not call it, except for one thing:
 before tasks are bound. To use ``--leases-store`` / ``--leases-ttl``, call
 ``celery_leases.install(app)`` in the module that creates the app.
 
-At worker start the bootstep applies those options to ``app.conf`` and
-checks every leased task; a mistake stops the worker with a
-:class:`~celery_leases.errors.LeaseConfigurationError` saying what to change.
+At worker start the bootstep applies those options to ``app.conf``, asks
+the store once (:func:`check_store`) and checks every leased task; a mistake
+stops the worker with a :class:`~celery_leases.errors.LeaseConfigurationError`
+saying what to change. A store that cannot be reached now only gives a
+warning: claims are deferred until it can.
 
 On shutdown (``worker_shutdown`` in the main process, after the pool has
 stopped, and ``worker_process_shutdown`` in each prefork child) the leases
@@ -19,25 +21,46 @@ nothing is held by then.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.settings import LeaseSettings, check_defer_max
 from celery_leases.stores import open_store
 from celery_leases.stores.base import Released
 
-__all__ = ["LeasesStep", "check_app", "in_prefork_child", "install", "release_held_leases"]
+__all__ = [
+    "STORE_CHECK_TIMEOUT",
+    "LeasesStep",
+    "check_app",
+    "check_store",
+    "in_prefork_child",
+    "install",
+    "release_held_leases",
+]
 
 logger = logging.getLogger("celery_leases")
 
 #: transports that redeliver an unacked message after ``visibility_timeout``
 _VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs", "sentinel")
+
+#: seconds the start check waits for the store. Above the Redis store's own
+#: 5 s socket timeouts, so their clearer StoreUnavailable arrives first.
+STORE_CHECK_TIMEOUT = 10.0
+
+#: store option names whose values are secrets
+_SECRET_KEY = re.compile(r"pass|secret|token|credential", re.IGNORECASE)
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 _prefork_child_pid: int | None = None
@@ -150,11 +173,12 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             logger.warning(warning)
 
 
-def check_app(app: Any, *, pool: str = "") -> list[str]:
-    """Check the lease settings and every leased task of ``app``.
+def check_app(app: Any, *, pool: str = "", store_timeout: float = STORE_CHECK_TIMEOUT) -> list[str]:
+    """Check the lease settings, the store and every leased task of ``app``.
 
     Args:
         pool: the pool class name or alias, when known (for the ``stop`` check).
+        store_timeout: seconds to wait for the store's answer (see :func:`check_store`).
 
     Returns:
         Warnings worth logging.
@@ -167,14 +191,9 @@ def check_app(app: Any, *, pool: str = "") -> list[str]:
 
     settings = settings_for(app)
     warnings: list[str] = []
-    # opening the store checks its URL, options and driver now, not at the
-    # first task; an unreachable store is fine (claims defer until it is back)
-    try:
-        open_store(settings.store_url, **dict(settings.store_options)).close()
-    except StoreUnavailable as exc:
-        warnings.append(
-            f"the lease store cannot be reached now ({exc}); leased tasks are deferred until it can"
-        )
+    store_warning = check_store(settings, timeout=store_timeout)
+    if store_warning is not None:
+        warnings.append(store_warning)
     visibility = _visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
     for task in list(app.tasks.values()):
@@ -186,9 +205,14 @@ def check_app(app: Any, *, pool: str = "") -> list[str]:
                 "would drop the job. Remove acks_late=False from the task (and check "
                 "task_acks_late), or do not use LeasedTask for it"
             )
-        timing = task.lease_timing()
+        try:
+            timing = task.lease_timing()
+        except LeaseConfigurationError as exc:
+            raise LeaseConfigurationError(f"task {task.name!r}: {exc}") from exc
         mode = task.lease_on_lost_mode()
         task.lease_takeover_limit()
+        if task.lease_defer_max is not None:
+            check_defer_max(task.lease_defer_max, f"{task.name}.lease_defer_max")
         key = type(task).lease_key
         if key is not None and not isinstance(key, str) and not callable(key):
             raise LeaseConfigurationError(
@@ -222,6 +246,91 @@ def check_app(app: Any, *, pool: str = "") -> list[str]:
                 "stopped alone)"
             )
     return warnings
+
+
+def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT) -> str | None:
+    """Open the lease store and ask it the time once, waiting at most ``timeout`` s.
+
+    Opening checks the URL, the options and the driver; the question (one
+    round trip) checks that the server takes this worker. A Redis store does
+    not connect on open, so without it a wrong password showed only at the
+    first task. The call runs in a daemon thread, so a store that never
+    answers (a frozen server, a client without socket timeouts) cannot hold
+    the worker's start; that thread closes the store when the call ends.
+
+    Returns:
+        A warning when the store cannot be reached now (claims are deferred
+        until it can), else None.
+
+    Raises:
+        LeaseConfigurationError: the store refuses this worker for good (bad
+            URL or options, wrong password, missing database, no rights).
+    """
+    outcome: list[Exception | None] = []
+
+    def ask() -> None:
+        try:
+            store = open_store(settings.store_url, **dict(settings.store_options))
+            try:
+                store.now_ms()
+            finally:
+                store.close()
+        except Exception as exc:  # every error goes to the waiting thread
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=ask, name="celery-leases-store-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    secrets = _secrets(settings)
+    if not outcome:
+        return (
+            f"the lease store did not answer within {timeout:g} s; leased tasks are "
+            "deferred until it can"
+        )
+    error = outcome[0]
+    if error is None:
+        return None
+    if isinstance(error, StoreUnavailable):
+        return _redact(
+            f"the lease store cannot be reached now ({error}); leased tasks are deferred "
+            "until it can",
+            secrets,
+        )
+    if isinstance(error, LeaseConfigurationError):
+        message = _redact(str(error), secrets)
+        # a message that had to be cleaned must not come back in a traceback
+        cause = error if message == str(error) else None
+        raise LeaseConfigurationError(
+            f"the lease store cannot be used: {message.rstrip('.')}. Change leases_store or "
+            "leases_store_options (or --leases-store)"
+        ) from cause
+    raise error
+
+
+def _secrets(settings: LeaseSettings) -> list[str]:
+    """Passwords that a store message must not show: the URL's, and option values."""
+    found: list[str] = []
+    with contextlib.suppress(ValueError):
+        password = urlsplit(settings.store_url).password
+        if password:
+            found += [password, unquote(password)]
+    stack: list[Mapping[str, Any]] = [settings.store_options]
+    while stack:
+        for key, value in stack.pop().items():
+            if isinstance(value, Mapping):
+                stack.append(value)
+            elif isinstance(value, str) and _SECRET_KEY.search(str(key)):
+                found.append(value)
+    # a one- or two-letter secret would blank out ordinary words
+    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
+
+
+def _redact(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
 
 
 def _visibility_timeout(app: Any) -> float | None:

@@ -3,8 +3,15 @@
 A fenced request carries three headers::
 
     Fencing-Token: 1700000000123          the lease's generation
-    Fencing-Job: 3f1c...-task-id          the lease's job_id
-    Idempotency-Key: 3f1c...:1700000000123  "<job_id>:<generation>"
+    Fencing-Job: 3f1c...-task-id          the lease's job_id, percent-encoded
+    Idempotency-Key: 3f1c...:1700000000123  "<encoded job_id>:<generation>"
+
+Header values are latin-1, and a job id may be any text, so the job id is
+sent as the percent-encoding of its UTF-8 bytes: RFC 3986 unreserved
+characters (``A-Z a-z 0-9 - . _ ~``) stay as they are, every other byte
+becomes ``%XX``. A Celery task id (a UUID) is therefore sent unchanged;
+``"rapport-été"`` is sent as ``rapport-%C3%A9t%C3%A9`` and ``"a b/c%d"`` as
+``a%20b%2Fc%25d``. :func:`token_from_headers` decodes it again.
 
 Clients send them with :func:`fencing_headers` or :class:`FencingAuth`
 (httpx and requests both take it as ``auth=``). A service puts a
@@ -20,6 +27,7 @@ import threading
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote, unquote
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing import (
@@ -68,11 +76,33 @@ def fencing_headers(token: FencingToken) -> dict[str, str]:
         LeaseConfigurationError: the token is invalid.
     """
     job_id, generation = check_token(token)
+    encoded = _encode_job_id(job_id)
     return {
         FENCING_TOKEN_HEADER: str(generation),
-        FENCING_JOB_HEADER: job_id,
-        IDEMPOTENCY_KEY_HEADER: f"{job_id}:{generation}",
+        FENCING_JOB_HEADER: encoded,
+        IDEMPOTENCY_KEY_HEADER: f"{encoded}:{generation}",
     }
+
+
+def _encode_job_id(job_id: str) -> str:
+    """``job_id`` as ASCII for a header: UTF-8, percent-encoded but for unreserved characters."""
+    try:
+        return quote(job_id, safe="", encoding="utf-8", errors="strict")
+    except UnicodeEncodeError as exc:  # a lone surrogate has no UTF-8 form
+        raise LeaseConfigurationError(
+            f"job id {job_id!r} cannot be sent in a header: it is not valid Unicode text",
+            job_id=job_id,
+        ) from exc
+
+
+def _decode_job_id(value: str, header: str) -> str:
+    """The job id of a header value written by :func:`_encode_job_id`."""
+    try:
+        return unquote(value, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise LeaseConfigurationError(
+            f"the {header} header {value!r} is not a percent-encoded UTF-8 job id"
+        ) from exc
 
 
 class FencingAuth:
@@ -143,7 +173,8 @@ def token_from_headers(headers: Mapping[str, str]) -> Token:
         The :class:`~celery_leases.fencing.Token` (without owner).
 
     Raises:
-        LeaseConfigurationError: a header is missing or malformed, or the
+        LeaseConfigurationError: a header is missing or malformed (also a
+            ``Fencing-Job`` that is not percent-encoded UTF-8), or the
             ``Idempotency-Key`` disagrees with the token (answer 400).
     """
     raw_generation = _header(headers, FENCING_TOKEN_HEADER)
@@ -157,10 +188,10 @@ def token_from_headers(headers: Mapping[str, str]) -> Token:
         generation = int(raw_generation.strip())
     except ValueError:
         generation = 0
-    token = Token(job_id.strip(), generation)
+    token = Token(_decode_job_id(job_id.strip(), FENCING_JOB_HEADER), generation)
     check_token(token)
     key = _header(headers, IDEMPOTENCY_KEY_HEADER)
-    if key is not None and key.strip() != token.idempotency_key:
+    if key is not None and not _key_matches(key.strip(), token):
         raise LeaseConfigurationError(
             f"{IDEMPOTENCY_KEY_HEADER} {key!r} does not match the fencing token "
             f"{token.idempotency_key!r}",
@@ -168,6 +199,15 @@ def token_from_headers(headers: Mapping[str, str]) -> Token:
             generation=token.generation,
         )
     return token
+
+
+def _key_matches(key: str, token: Token) -> bool:
+    # the encoded job id has no ':', so the last one ends it; comparing the
+    # decoded parts also accepts another spelling of the same escapes (%c3)
+    encoded_job, _, generation = key.rpartition(":")
+    return _decode_job_id(
+        encoded_job, IDEMPOTENCY_KEY_HEADER
+    ) == token.job_id and generation == str(token.generation)
 
 
 class FenceChecker:

@@ -295,6 +295,7 @@ def test_blocked_renewals_raise_lease_lost_soon_after_the_deadline(
     app = make_app(
         lease_server.url,
         leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 0.5},
+        leases_on_lost="raise",  # the default, "flag", raises nothing into the body
     )
 
     @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5)

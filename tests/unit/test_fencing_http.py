@@ -12,6 +12,8 @@ from types import ModuleType
 import httpx
 import pytest
 import requests
+from hypothesis import given
+from hypothesis import strategies as st
 
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StaleFencingToken
 from celery_leases.fencing import MemoryFences, Token
@@ -95,6 +97,79 @@ def test_token_from_headers_rejects_missing_or_malformed_headers(
 ) -> None:
     with pytest.raises(LeaseConfigurationError):
         token_from_headers(headers)
+
+
+# --- job ids that are not plain ASCII --------------------------------------------
+
+#: job ids a header cannot carry as they are (non-latin-1, reserved, space, '%')
+ODD_JOB_IDS = ["rapport-été", "订单:42", "a b/c%d"]
+
+
+@pytest.mark.parametrize(
+    ("job_id", "sent"),
+    [
+        ("rapport-été", "rapport-%C3%A9t%C3%A9"),
+        ("订单:42", "%E8%AE%A2%E5%8D%95%3A42"),
+        ("a b/c%d", "a%20b%2Fc%25d"),
+        ("3f1c9a2e-0b7d-4e4b-9f0e-2d6c1a8b7e55", "3f1c9a2e-0b7d-4e4b-9f0e-2d6c1a8b7e55"),
+        ("Az09-._~", "Az09-._~"),
+    ],
+)
+def test_the_job_header_is_percent_encoded_utf8(job_id: str, sent: str) -> None:
+    headers = fencing_headers(Token(job_id, 5))
+    assert headers["Fencing-Job"] == sent
+    assert headers["Idempotency-Key"] == f"{sent}:5"
+
+
+@given(
+    job_id=st.text(st.characters(exclude_categories=("Cs",)), min_size=1),
+    generation=st.integers(1, 2**53),
+)
+def test_any_job_id_round_trips_through_ascii_headers(job_id: str, generation: int) -> None:
+    headers = fencing_headers(Token(job_id, generation))
+    assert all(value.isascii() for value in headers.values())
+    assert token_from_headers(headers) == Token(job_id, generation)
+
+
+def test_a_job_id_that_is_not_unicode_text_is_refused() -> None:
+    with pytest.raises(LeaseConfigurationError, match="not valid Unicode"):
+        fencing_headers(Token("job-\udc80", 1))
+
+
+def test_lowercase_escapes_decode_to_the_same_job() -> None:
+    headers = {"Fencing-Token": "3", "Fencing-Job": "rapport-%c3%a9t%c3%a9"}
+    headers["Idempotency-Key"] = "rapport-%C3%A9t%C3%A9:3"
+    assert token_from_headers(headers) == Token("rapport-été", 3)
+
+
+def test_a_raw_job_id_with_a_colon_still_matches_its_idempotency_key() -> None:
+    # a client that does not encode: ids without '%' read as they were sent
+    headers = {"Fencing-Token": "3", "Fencing-Job": "report:42", "Idempotency-Key": "report:42:3"}
+    assert token_from_headers(headers) == Token("report:42", 3)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Fencing-Token": "3", "Fencing-Job": "bad-%FF"},
+        {"Fencing-Token": "3", "Fencing-Job": "ok", "Idempotency-Key": "%FF:3"},
+        {"Fencing-Token": "3", "Fencing-Job": "a%20b", "Idempotency-Key": "a b c:3"},
+    ],
+    ids=["job-not-utf8", "key-not-utf8", "key-other-job"],
+)
+def test_a_job_header_that_does_not_decode_is_refused(headers: dict[str, str]) -> None:
+    with pytest.raises(LeaseConfigurationError):
+        token_from_headers(headers)
+
+
+@pytest.mark.parametrize("job_id", ODD_JOB_IDS)
+def test_checker_fences_an_odd_job_id_by_its_decoded_value(job_id: str) -> None:
+    checker = FenceChecker()
+    checker.check(fencing_headers(Token(job_id, 8)), resource="r")
+    assert checker.storage.accepted("r") == Token(job_id, 8)
+    with pytest.raises(StaleFencingToken) as refused:
+        checker.check(fencing_headers(Token(job_id, 7)), resource="r")
+    assert refused.value.job_id == job_id
 
 
 def test_fencing_auth_adds_headers_to_an_httpx_request() -> None:
@@ -311,3 +386,37 @@ def test_a_locally_lost_lease_does_not_move_a_fence() -> None:
     with pytest.raises(LeaseLost):
         fences.advance("r", LostLease())
     assert fences.accepted("r") is None
+
+
+@pytest.mark.parametrize("job_id", ODD_JOB_IDS)
+def test_service_fences_an_odd_job_id_sent_by_httpx(
+    service: tuple[str, object], job_id: str
+) -> None:
+    base, app = service
+    newer, older = Token(job_id, 8), Token(job_id, 7)
+    with httpx.Client(base_url=base, timeout=10) as client:
+        written = client.put("/values/v", content=b"from 8", auth=FencingAuth(newer))
+        stale = client.put("/values/v", content=b"from 7", auth=FencingAuth(older))
+    assert written.status_code == 200
+    assert stale.status_code == 409
+    assert job_id in stale.json()["error"]
+    assert app.checker.storage.accepted("v") == newer  # type: ignore[attr-defined]
+    assert app.values["v"] == b"from 8"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("job_id", ODD_JOB_IDS)
+def test_service_fences_an_odd_job_id_sent_by_requests(
+    service: tuple[str, object], job_id: str
+) -> None:
+    base, app = service
+    with fenced_requests_session(Token(job_id, 8)) as newer:
+        written = newer.put(f"{base}/values/v", data=b"from 8", timeout=10)
+    with fenced_requests_session(Token(job_id, 7)) as older:
+        stale = older.put(f"{base}/values/v", data=b"from 7", timeout=10)
+    with fenced_requests_session(Token(job_id, 8)) as retry:
+        repeat = retry.put(f"{base}/values/v", data=b"again", timeout=10)
+    assert written.status_code == 200
+    assert stale.status_code == 409
+    assert repeat.json() == {"applied": False, "generation": 8}
+    assert app.checker.storage.accepted("v") == Token(job_id, 8)  # type: ignore[attr-defined]
+    assert app.values["v"] == b"from 8"  # type: ignore[attr-defined]

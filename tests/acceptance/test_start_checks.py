@@ -1,0 +1,70 @@
+"""The worker asks the lease store once at start: real ``celery worker`` processes.
+
+An unreachable store only warns (claims are deferred until it is back); a
+store that refuses the worker for good stops it at start, with a message
+that names what to change and never shows a password.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.acceptance.conftest import Cluster
+from tests.conftest import serve
+from tests.servers import RedisServer, free_port
+
+#: the password the server wants, and the wrong one the worker sends
+SERVER_PASSWORD = "server-side-pw-4711"  # a throwaway test server's password
+WRONG_PASSWORD = "wrong-client-pw-0815"  # the wrong one, sent on purpose
+
+#: seconds a worker may take to start, or to fail at start, on a busy machine
+START_TIMEOUT = 60.0
+
+
+@pytest.fixture
+def protected_redis() -> Iterator[RedisServer]:
+    """A redis-server of its own that wants a password."""
+    yield from serve(lambda: RedisServer("--requirepass", SERVER_PASSWORD))
+
+
+def _fails_at_start(cluster: Cluster, name: str, **changes: object) -> tuple[int, str]:
+    """Start a worker that must exit before it is ready; its exit code and log."""
+    worker = cluster.worker(name, start=False, **changes)
+    with pytest.raises(AssertionError, match="exited before logging"):
+        worker.start(ready_timeout=START_TIMEOUT)
+    return worker.wait_exit(timeout=30), worker.log()
+
+
+def test_a_worker_starts_with_a_warning_when_the_store_is_unreachable(cluster: Cluster) -> None:
+    # nothing listens on the port: the Redis store connects only when asked
+    closed = f"redis://127.0.0.1:{free_port()}/0"
+    worker = cluster.worker("unreachable", store=closed, store_options={})
+    worker.wait_for_log(r"lease store cannot be reached now", timeout=10)
+    assert "leased tasks are deferred until it can" in worker.log()
+    assert worker.alive()
+
+
+def test_a_store_that_cannot_be_used_stops_the_worker_at_start(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    missing = f"sqlite:///{tmp_path / 'missing' / 'leases.db'}"
+    code, log = _fails_at_start(cluster, "unusable", store=missing, store_options={})
+    assert code != 0
+    assert "LeaseConfigurationError" in log
+    assert "does not exist" in log
+    assert "Change leases_store or leases_store_options" in log
+
+
+def test_a_wrong_redis_password_stops_the_worker_without_showing_it(
+    cluster: Cluster, protected_redis: RedisServer
+) -> None:
+    url = f"redis://:{WRONG_PASSWORD}@127.0.0.1:{protected_redis.port}/0"
+    code, log = _fails_at_start(cluster, "wrongpw", store=url, store_options={})
+    assert code != 0
+    assert "LeaseConfigurationError" in log
+    assert "the lease store cannot be used" in log
+    assert WRONG_PASSWORD not in log
+    assert SERVER_PASSWORD not in log
