@@ -58,12 +58,16 @@ def run_checks(app: Any) -> list[Check]:
             report.append(Check("tasks", "error", str(exc), exit_code=5))
             app_warnings = []
     seen: set[str] = set()
-    for message in [str(w.message) for w in caught] + app_warnings:
+    named = [("store", str(w.message)) for w in caught] + [("tasks", m) for m in app_warnings]
+    for name, message in named:
+        # an unreachable store is already an error of the "store" check
         if message not in seen and "cannot be reached" not in message:
             seen.add(message)
-            report.append(Check("setup", "warning", message))
-    if not any(c.name in ("tasks", "setup") for c in report):
-        report.append(Check("tasks", "ok", "no warning about the leased tasks or the broker"))
+            report.append(Check(name, "warning", message))
+    if not any(c.name == "tasks" for c in report):
+        report.append(
+            Check("tasks", "ok", "leased tasks, time limits and broker fit the lease ttl")
+        )
     return report
 
 

@@ -23,6 +23,7 @@ import json
 import re
 import socket
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
 from urllib.parse import quote, urlsplit
@@ -32,7 +33,12 @@ from celery.bin.base import CeleryCommand
 
 from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery inspect leases`
 from celery_leases.checks import run_checks
-from celery_leases.errors import LeaseConfigurationError, LeaseError, StoreUnavailable
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseError,
+    LeaseStoreWarning,
+    StoreUnavailable,
+)
 from celery_leases.purge import purge_records
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import LeaseRecord, LeaseState, ms_to_datetime
@@ -158,7 +164,9 @@ def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseS
     options = dict(settings.store_options)
     if url.split("://", 1)[0].lower() in _SQL_SCHEMES:
         options["create_table"] = create_table
-    with _errors(ctx, url):
+    # the server's settings are reported by `check`, not after every listing
+    with _errors(ctx, url), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeaseStoreWarning)
         store = open_store(url, **options)
         try:
             yield store
