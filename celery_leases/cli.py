@@ -11,7 +11,8 @@ with the app of ``celery -A proj`` and its ``leases_*`` settings::
     celery -A proj leases check
 
 Exit status: 0 success; 1 ``check`` found problems; 2 usage error; 3 no such
-job; 4 the store could not be reached; 5 the configuration is wrong. No
+job; 4 the store could not be reached; 5 the configuration is wrong; 6 the
+store refused (a completed job is not released). No
 command prints a password of the store URL.
 """
 
@@ -26,7 +27,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import click
 from celery.bin.base import CeleryCommand
@@ -35,7 +36,6 @@ from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery 
 from celery_leases.checks import run_checks
 from celery_leases.errors import (
     LeaseConfigurationError,
-    LeaseError,
     LeaseStoreWarning,
     StoreUnavailable,
 )
@@ -47,6 +47,7 @@ __all__ = [
     "EXIT_CONFIGURATION",
     "EXIT_NOT_FOUND",
     "EXIT_PROBLEMS",
+    "EXIT_REFUSED",
     "EXIT_UNAVAILABLE",
     "leases",
     "parse_duration",
@@ -57,6 +58,7 @@ EXIT_PROBLEMS = 1
 EXIT_NOT_FOUND = 3
 EXIT_UNAVAILABLE = 4
 EXIT_CONFIGURATION = 5
+EXIT_REFUSED = 6
 
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -92,7 +94,9 @@ def scrub(text: str, url: str) -> str:
         del name
         text = text.replace(value, "***")
     if password:
-        text = text.replace(password, "***").replace(quote(password, safe=""), "***")
+        plain = unquote(password)
+        for form in sorted({password, plain, quote(plain, safe="")}, key=len, reverse=True):
+            text = text.replace(form, "***")
     return text
 
 
@@ -135,6 +139,15 @@ def _fail(ctx: click.Context, code: int, message: str) -> NoReturn:
     click.echo(f"Error: {message}", err=True)
     ctx.exit(code)
     raise AssertionError("unreachable")  # ctx.exit raises
+
+
+def _operator() -> str:
+    """``user@host`` of whoever runs the command, for the record."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (containers)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
 
 
 def _app(ctx: click.Context) -> Any:
@@ -320,19 +333,26 @@ def release_command(
             "releasing a lease by hand lets the job run again while its old holder may "
             "still be running (its fenced writes are refused); pass --force to do it"
         )
-    who = released_by or f"{getpass.getuser()}@{socket.gethostname()}"
+    who = released_by or _operator()
     with _store(ctx) as store:
         force_release = getattr(store, "force_release", None)
         if force_release is None:
             _fail(ctx, EXIT_CONFIGURATION, f"the store {store.url} cannot release by force")
-        if store.get(job_id) is None:
-            _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
         try:
             record = force_release(job_id, by=who, reason=reason)
-        except LeaseError as exc:
-            if isinstance(exc, (StoreUnavailable, LeaseConfigurationError)):
-                raise
-            _fail(ctx, EXIT_NOT_FOUND, str(exc))
+        except LeaseConfigurationError:
+            # the store refuses a job it has no record of, or a completed one
+            current = store.get(job_id)
+            if current is None:
+                _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
+            if current.state is LeaseState.COMPLETED:
+                _fail(
+                    ctx,
+                    EXIT_REFUSED,
+                    f"job {job_id!r} is completed (generation {current.generation}); "
+                    "a completed job is not released",
+                )
+            raise
         now = store.now_ms()
     data = record_to_dict(record, now)
     if as_json:
