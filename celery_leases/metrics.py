@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -180,18 +181,7 @@ _RECEIVERS = (
 )
 
 
-def install_metrics(app: Any) -> None:
-    """Count lease signals in Prometheus metrics; serve them if configured.
-
-    Idempotent. Reads ``leases_metrics_port`` (an int, or None for no
-    server) and ``leases_metrics_address`` from ``app.conf``.
-
-    Raises:
-        LeaseConfigurationError: prometheus-client is missing, or the port
-            is not a valid port number.
-    """
-    from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
-
+def _port(app: Any) -> int | None:
     port = app.conf.get("leases_metrics_port")
     if port is not None and (
         isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
@@ -199,19 +189,51 @@ def install_metrics(app: Any) -> None:
         raise LeaseConfigurationError(
             f"leases_metrics_port must be a TCP port number (1-65535) or None, got {port!r}"
         )
-    _prometheus()
+    return port
+
+
+def _connect_receivers() -> None:
     for signal, receiver in _RECEIVERS:
         signal.connect(receiver, weak=False, dispatch_uid=f"celery_leases.metrics.{receiver}")
-    if port is None:
-        return
-    address = str(app.conf.get("leases_metrics_address") or "0.0.0.0")  # noqa: S104
+
+
+def install_metrics(app: Any, *, required: bool = True) -> None:
+    """Count lease signals in Prometheus metrics; serve them if configured.
+
+    Idempotent. ``leases_metrics_port`` (an int, or None for no server) and
+    ``leases_metrics_address`` are read when the worker starts.
+
+    Args:
+        required: raise when prometheus-client is missing. With False
+            (for a call made on every app) the metrics stay off unless
+            ``leases_metrics_port`` is set, and then the worker logs an error.
+
+    Raises:
+        LeaseConfigurationError: prometheus-client is missing (and
+            ``required``), or the port is not a valid port number.
+    """
+    from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+
+    _port(app)
+    try:
+        _prometheus()
+    except LeaseConfigurationError:
+        if required:
+            raise
+    else:
+        _connect_receivers()
 
     def prepare(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", app) is app:
-            _use_multiprocess_dir()
+        if getattr(sender, "app", app) is not app or _port(app) is None:
+            return
+        _prometheus()  # a configured port without the package: say what to install
+        _connect_receivers()
+        _use_multiprocess_dir()
 
     def serve(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", app) is app:
+        port = _port(app)
+        if getattr(sender, "app", app) is app and port is not None:
+            address = str(app.conf.get("leases_metrics_address") or "0.0.0.0")  # noqa: S104
             _serve(port, address)
 
     uid = f"celery_leases.metrics.{id(app)}"
@@ -263,7 +285,7 @@ def _serve(port: int, address: str) -> None:
 
 
 def _process_gone(**_: Any) -> None:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and "prometheus_client" in sys.modules:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]

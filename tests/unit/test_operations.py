@@ -3,6 +3,7 @@ scrubbing, the purge schedule, and what each signal does to the metrics."""
 
 from __future__ import annotations
 
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -159,3 +160,13 @@ def test_a_port_that_is_not_a_port_is_a_configuration_error() -> None:
     app.conf.leases_metrics_port = "9100"
     with pytest.raises(LeaseConfigurationError, match="leases_metrics_port"):
         install_metrics(app)
+
+
+def test_without_prometheus_client_metrics_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    app = Celery("metrics-test", set_as_current=False)
+    with pytest.raises(LeaseConfigurationError, match=r"pip install 'celery-leases\[metrics\]'"):
+        install_metrics(app)
+    install_metrics(app, required=False)  # off, quietly, for a call made on every app
