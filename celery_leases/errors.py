@@ -15,6 +15,7 @@ __all__ = [
     "LeaseStoreWarning",
     "LeaseHeld",
     "LeaseLost",
+    "LeaseRecordUnreadable",
     "StaleFencingToken",
     "StoreUnavailable",
 ]
@@ -134,6 +135,16 @@ class StoreUnavailable(LeaseError):
 
 class LeaseConfigurationError(LeaseError):
     """The configuration is wrong; the message says what to change."""
+
+
+class LeaseRecordUnreadable(LeaseError):
+    """The store holds a record for the job that the library cannot read.
+
+    Something other than celery-leases wrote it (a field that is not a
+    number, a state that does not exist, a missing field, a key of another
+    type). Only this job is affected; an operator must inspect the record
+    and fix or delete it. Retrying does not help.
+    """
 
 
 class TakeoverLimitExceeded(LeaseError):

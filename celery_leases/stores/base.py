@@ -17,13 +17,44 @@ back across the purge.
 from __future__ import annotations
 
 import abc
-import enum
-import math
+import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
 
-from celery_leases.errors import LeaseConfigurationError, LeaseLost
+from celery_leases.errors import LeaseConfigurationError, LeaseRecordUnreadable
+from celery_leases.stores.checks import (
+    MAX_OUTCOME_BYTES,
+    MAX_TTL,
+    MIN_RETENTION,
+    REASON_LIMIT,
+    check_generation,
+    check_job_id,
+    check_outcome,
+    check_owner,
+    check_retention,
+    check_text,
+    ttl_to_ms,
+)
+from celery_leases.stores.results import (
+    Acquired,
+    AlreadyCompleted,
+    ClaimResult,
+    Completed,
+    CompleteResult,
+    HeldElsewhere,
+    LeaseRecord,
+    LeaseState,
+    Refusal,
+    RefusalReason,
+    Released,
+    ReleaseResult,
+    Renewed,
+    RenewRequest,
+    RenewResult,
+    ms_to_datetime,
+    refusal_for,
+    unreadable,
+    unreadable_refusal,
+)
 
 __all__ = [
     "Acquired",
@@ -42,232 +73,36 @@ __all__ = [
     "RenewRequest",
     "RenewResult",
     "Renewed",
+    "MAX_OUTCOME_BYTES",
+    "MAX_TTL",
     "MIN_RETENTION",
+    "ms_to_datetime",
+    "refusal_for",
+    "ttl_to_ms",
+    "unreadable",
+    "unreadable_refusal",
 ]
 
-#: Completed records younger than this are never purged (seconds).
-MIN_RETENTION = 60.0
+logger = logging.getLogger("celery_leases.stores")
 
 
-def ms_to_datetime(ms: int) -> datetime:
-    """Convert store milliseconds since the epoch to an aware UTC datetime."""
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+# --- argument checks ---------------------------------------------------------
 
 
-class LeaseState(str, enum.Enum):
-    """The ``state`` field of a record."""
-
-    HELD = "held"
-    RELEASED = "released"
-    COMPLETED = "completed"
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRecord:
-    """One job's record as the store keeps it (times in store milliseconds)."""
-
-    job_id: str
-    owner: str
-    generation: int
-    lease_until_ms: int
-    state: LeaseState
-    task_name: str = ""
-    claimed_at_ms: int | None = None
-    renewed_at_ms: int | None = None
-    completed_at_ms: int | None = None
-    renew_count: int = 0
-    #: claims that found the previous holder's lease run out (not released)
-    takeovers: int = 0
-
-    @property
-    def lease_until(self) -> datetime:
-        """``lease_until`` as an aware UTC datetime."""
-        return ms_to_datetime(self.lease_until_ms)
-
-    def is_live(self, store_now_ms: int) -> bool:
-        """Whether this record is an unexpired holder at ``store_now_ms``."""
-        return self.state is LeaseState.HELD and self.lease_until_ms > store_now_ms
+def _check_state(state: object) -> LeaseState | None:
+    if state is None or isinstance(state, LeaseState):
+        return state
+    if isinstance(state, str):
+        try:
+            return LeaseState(state)
+        except ValueError:
+            pass
+    choices = ", ".join(repr(s.value) for s in LeaseState)
+    raise LeaseConfigurationError(f"state must be a LeaseState or one of {choices}, got {state!r}")
 
 
-# --- claim results ---------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Acquired:
-    """The claim succeeded: the caller holds the lease with ``generation``."""
-
-    job_id: str
-    owner: str
-    generation: int
-    lease_until_ms: int
-    store_now_ms: int
-    #: how many claims of this job so far took over a lease that ran out
-    #: while held (its holder died or stalled); this claim included
-    takeovers: int = 0
-
-    @property
-    def lease_until(self) -> datetime:
-        return ms_to_datetime(self.lease_until_ms)
-
-    @property
-    def ttl(self) -> float:
-        """Seconds granted, by the store's clock."""
-        return (self.lease_until_ms - self.store_now_ms) / 1000
-
-
-@dataclass(frozen=True, slots=True)
-class HeldElsewhere:
-    """Another owner holds a live lease; ``remaining`` is in seconds."""
-
-    job_id: str
-    holder: str
-    generation: int
-    remaining: float
-
-
-@dataclass(frozen=True, slots=True)
-class AlreadyCompleted:
-    """The job was completed (with ``generation``); it must not run again."""
-
-    job_id: str
-    generation: int
-
-
-ClaimResult = Acquired | HeldElsewhere | AlreadyCompleted
-
-
-# --- renew / complete / release results ------------------------------------
-
-
-class RefusalReason(str, enum.Enum):
-    """Why a renew, complete or release was refused."""
-
-    #: no record exists for the job
-    MISSING = "missing"
-    #: another owner or a newer generation holds the record
-    SUPERSEDED = "superseded"
-    #: the lease was released (owner cleared)
-    RELEASED = "released"
-    #: the job is completed
-    COMPLETED = "completed"
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A renew, complete or release was refused: the caller is stale.
-
-    ``current_owner`` and ``current_generation`` describe the record as the
-    store saw it, when it exists.
-    """
-
-    job_id: str
-    owner: str
-    generation: int
-    reason: RefusalReason
-    current_owner: str | None = None
-    current_generation: int | None = None
-
-    def error(self, action: str = "renew") -> LeaseLost:
-        """A :class:`LeaseLost` describing this refusal, ready to raise."""
-        detail = {
-            RefusalReason.MISSING: "the store has no record of the job",
-            RefusalReason.SUPERSEDED: (f"generation {self.current_generation} now holds it"),
-            RefusalReason.RELEASED: "the lease was released",
-            RefusalReason.COMPLETED: (
-                f"the job was completed by generation {self.current_generation}"
-            ),
-        }[self.reason]
-        return LeaseLost(
-            f"{action} of job {self.job_id!r} with generation {self.generation} "
-            f"was refused: {detail}",
-            job_id=self.job_id,
-            owner=self.owner,
-            generation=self.generation,
-            reason=self.reason.value,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Renewed:
-    """The renewal succeeded; the lease now runs until ``lease_until_ms``."""
-
-    job_id: str
-    generation: int
-    lease_until_ms: int
-    store_now_ms: int
-
-    @property
-    def lease_until(self) -> datetime:
-        return ms_to_datetime(self.lease_until_ms)
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """The fenced completion was accepted."""
-
-    job_id: str
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class Released:
-    """The lease was given up; the generation is kept."""
-
-    job_id: str
-    generation: int
-
-
-RenewResult = Renewed | Refusal
-CompleteResult = Completed | Refusal
-ReleaseResult = Released | Refusal
-
-
-@dataclass(frozen=True, slots=True)
-class RenewRequest:
-    """One lease to renew in a batched :meth:`LeaseStore.renew_many`."""
-
-    job_id: str
-    owner: str
-    generation: int
-    ttl: float
-
-
-# --- argument checks -------------------------------------------------------
-
-
-def _check_job_id(job_id: object) -> str:
-    if not isinstance(job_id, str) or not job_id:
-        raise LeaseConfigurationError(f"job_id must be a non-empty string, got {job_id!r}")
-    if len(job_id) > 255:
-        raise LeaseConfigurationError(
-            f"job_id is {len(job_id)} characters long; the limit is 255. "
-            "Derive a shorter key (for example a hash of the arguments)."
-        )
-    return job_id
-
-
-def _check_owner(owner: object) -> str:
-    if not isinstance(owner, str) or not owner:
-        raise LeaseConfigurationError(f"owner must be a non-empty string, got {owner!r}")
-    return owner
-
-
-def _check_generation(generation: object) -> int:
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
-        raise LeaseConfigurationError(f"generation must be a positive integer, got {generation!r}")
-    return generation
-
-
-def ttl_to_ms(ttl: object) -> int:
-    """Check a TTL in seconds and convert it to whole milliseconds (>= 1)."""
-    if (
-        isinstance(ttl, bool)
-        or not isinstance(ttl, (int, float))
-        or not math.isfinite(ttl)
-        or ttl <= 0
-    ):
-        raise LeaseConfigurationError(f"ttl must be a positive number of seconds, got {ttl!r}")
-    return max(1, round(ttl * 1000))
+def _check_send_id(send_id: object) -> str | None:
+    return None if send_id is None else check_text(send_id, "send_id", empty=True)
 
 
 class LeaseStore(abc.ABC):
@@ -275,8 +110,12 @@ class LeaseStore(abc.ABC):
 
     Public methods check their arguments, then call the backend hook of the
     same name with a leading underscore. Each hook is one atomic operation
-    in the store, in one round trip, and wraps driver errors in
-    :class:`~celery_leases.errors.StoreUnavailable`.
+    in the store, in one round trip. It wraps driver errors that mean the
+    store cannot be reached in :class:`~celery_leases.errors.StoreUnavailable`,
+    and the permanent ones (credentials, rights, a value the store cannot
+    keep) in :class:`~celery_leases.errors.LeaseConfigurationError`. A record
+    it cannot read raises :class:`~celery_leases.errors.LeaseRecordUnreadable`
+    (a refusal with reason ``UNREADABLE`` in :meth:`renew_many`).
     """
 
     #: the URL scheme(s) this store was opened from, for messages
@@ -284,21 +123,41 @@ class LeaseStore(abc.ABC):
 
     # -- public API ---------------------------------------------------------
 
-    def claim(self, job_id: str, owner: str, ttl: float, *, task_name: str = "") -> ClaimResult:
+    def claim(
+        self,
+        job_id: str,
+        owner: str,
+        ttl: float,
+        *,
+        task_name: str = "",
+        send_id: str | None = None,
+    ) -> ClaimResult:
         """Claim the lease on ``job_id`` for ``owner`` for ``ttl`` seconds.
 
-        Succeeds only if there is no record, it is released, or its lease has
-        run out by the store's clock; the generation then goes up by one.
+        Succeeds if there is no record, it is released, or its lease has run
+        out by the store's clock; the generation then goes up by one. A
+        completed record answers :class:`AlreadyCompleted` when ``send_id``
+        is ``None`` or the send id it was completed under (a redelivery of
+        the same send); another ``send_id`` is a new run of the job and is
+        acquired like a released record (takeovers start again at 0, the
+        completion and its outcome are cleared). The record keeps
+        ``send_id`` ("" for ``None``).
 
         Returns:
             :class:`Acquired`, :class:`HeldElsewhere` or :class:`AlreadyCompleted`.
 
         Raises:
             StoreUnavailable: the store could not be asked; no lease was given.
-            LeaseConfigurationError: an argument is invalid.
+            LeaseConfigurationError: an argument is invalid, or the store
+                refused for good (credentials, rights).
+            LeaseRecordUnreadable: the job's record cannot be read.
         """
         return self._claim(
-            _check_job_id(job_id), _check_owner(owner), ttl_to_ms(ttl), str(task_name)
+            check_job_id(job_id),
+            check_owner(owner),
+            ttl_to_ms(ttl),
+            check_text(task_name, "task_name", empty=True),
+            _check_send_id(send_id),
         )
 
     def renew(self, job_id: str, owner: str, generation: int, ttl: float) -> RenewResult:
@@ -309,19 +168,20 @@ class LeaseStore(abc.ABC):
         can still be renewed.
         """
         return self._renew(
-            _check_job_id(job_id),
-            _check_owner(owner),
-            _check_generation(generation),
-            ttl_to_ms(ttl),
+            check_job_id(job_id), check_owner(owner), check_generation(generation), ttl_to_ms(ttl)
         )
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
-        """Renew many leases in one round trip; results are in request order."""
+        """Renew many leases in one round trip; results are in request order.
+
+        A job whose record cannot be read gets a :class:`Refusal` with reason
+        ``UNREADABLE``; the others are answered as usual.
+        """
         checked = [
             RenewRequest(
-                _check_job_id(r.job_id),
-                _check_owner(r.owner),
-                _check_generation(r.generation),
+                check_job_id(r.job_id),
+                check_owner(r.owner),
+                check_generation(r.generation),
                 r.ttl,
             )
             for r in requests
@@ -332,60 +192,138 @@ class LeaseStore(abc.ABC):
             return []
         return self._renew_many(checked)
 
-    def complete(self, job_id: str, owner: str, generation: int) -> CompleteResult:
+    def complete(
+        self, job_id: str, owner: str, generation: int, *, outcome: bytes | None = None
+    ) -> CompleteResult:
         """Mark the job completed, fenced by ``owner`` and ``generation``.
 
-        The record keeps its generation; a stale completion is refused.
+        ``outcome`` (at most :data:`MAX_OUTCOME_BYTES`) is stored with the
+        completion, in the same atomic write. The record keeps its
+        generation; a stale completion is refused.
+
+        A completion whose reply was lost is judged by the record (protocol
+        rule 6): when the store refuses because the job is completed *by
+        this owner and generation*, the first try was applied and this
+        returns :class:`Completed`::
+
+            worker               store
+            complete(g7) ----->  completed by (A, 7)
+                 x<-------------  reply lost: StoreUnavailable
+            complete(g7) ----->  refused: completed by (A, 7)
+            -> Completed
         """
-        return self._complete(
-            _check_job_id(job_id), _check_owner(owner), _check_generation(generation)
+        result = self._complete(
+            check_job_id(job_id),
+            check_owner(owner),
+            check_generation(generation),
+            check_outcome(outcome),
         )
+        if (
+            isinstance(result, Refusal)
+            and result.reason is RefusalReason.COMPLETED
+            and result.current_owner == owner
+            and result.current_generation == generation
+        ):
+            return Completed(job_id, generation)
+        return result
 
     def release(self, job_id: str, owner: str, generation: int) -> ReleaseResult:
         """Give the lease up without completing; the generation is kept."""
-        return self._release(
-            _check_job_id(job_id), _check_owner(owner), _check_generation(generation)
-        )
+        return self._release(check_job_id(job_id), check_owner(owner), check_generation(generation))
+
+    def force_release(self, job_id: str, *, by: str, reason: str) -> LeaseRecord:
+        """Release the job's lease whoever holds it: an operator's action.
+
+        Atomically, on the store's clock: the generation goes up by one (so
+        the holder, if any, is fenced out of every renew, complete and
+        fenced write), the state becomes released, the owner "", the lease
+        ends now, and the record keeps ``by``, ``reason`` and the time.
+
+        Returns:
+            The record as it is after the release.
+
+        Raises:
+            LeaseConfigurationError: there is no record for the job, or the
+                job is completed (its record is left as it is), or ``by`` /
+                ``reason`` cannot be stored.
+            LeaseRecordUnreadable: the job's record cannot be read.
+            StoreUnavailable: the store could not be asked.
+        """
+        job_id = check_job_id(job_id)
+        by = check_text(by, "by")
+        reason = check_text(reason, "reason", empty=True, limit=REASON_LIMIT)
+        record = self._force_release(job_id, by, reason)
+        if record is None:
+            raise LeaseConfigurationError(
+                f"no lease record for job {job_id!r} in {self.url}: nothing to release",
+                job_id=job_id,
+            )
+        if record.state is LeaseState.COMPLETED:
+            raise LeaseConfigurationError(
+                f"job {job_id!r} is completed (generation {record.generation}); a "
+                "completed job is not released. Its record is kept as it is.",
+                job_id=job_id,
+                generation=record.generation,
+            )
+        return record
 
     def get(self, job_id: str) -> LeaseRecord | None:
-        """The record of ``job_id``, or ``None`` when there is none."""
-        return self._get(_check_job_id(job_id))
+        """The record of ``job_id``, or ``None`` when there is none.
+
+        Raises:
+            LeaseRecordUnreadable: the job's record cannot be read.
+        """
+        return self._get(check_job_id(job_id))
 
     def records(
-        self, *, state: LeaseState | None = None, limit: int | None = None
+        self, *, state: LeaseState | str | None = None, limit: int | None = None
     ) -> Iterator[LeaseRecord]:
         """Iterate over records, optionally only those in ``state``.
 
-        Not a snapshot: records changed during the iteration may or may not
-        be seen in their new form.
+        ``state`` is a :class:`LeaseState` or its value (``"held"``, ...).
+        A record that cannot be read is skipped with a logged warning. Not a
+        snapshot: records changed during the iteration may or may not be
+        seen in their new form.
         """
-        if limit is not None and limit < 0:
-            raise LeaseConfigurationError(f"limit must be >= 0, got {limit!r}")
-        for count, record in enumerate(self._records(state)):
+        wanted = _check_state(state)
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        ):
+            raise LeaseConfigurationError(f"limit must be an integer >= 0, got {limit!r}")
+        if limit == 0:
+            return
+        count = 0
+        for record in self._records(wanted):
+            if isinstance(record, LeaseRecordUnreadable):
+                logger.warning(
+                    "skipping the unreadable lease record of job %r in %s: %s",
+                    record.job_id,
+                    self.url,
+                    record,
+                )
+                continue
+            yield record
+            count += 1
             if limit is not None and count >= limit:
                 return
-            yield record
 
-    def purge_completed(self, older_than: float) -> int:
-        """Delete completed records whose completion is older than ``older_than`` s.
+    def purge(self, older_than: float) -> int:
+        """Delete completed and released records older than ``older_than`` s.
 
-        A record is kept while its generation is not below the store's clock
-        in milliseconds, so a record made again later starts above it (I1).
+        A record's age counts from its completion or release. It is kept
+        while its generation is not below the store's clock in milliseconds,
+        so a record made again later starts above it (I1). ``older_than`` is
+        at least :data:`MIN_RETENTION`: a late duplicate must still find a
+        job completed.
 
         Returns:
             How many records were deleted.
         """
-        if (
-            isinstance(older_than, bool)
-            or not isinstance(older_than, (int, float))
-            or not math.isfinite(older_than)
-            or older_than < MIN_RETENTION
-        ):
-            raise LeaseConfigurationError(
-                f"older_than must be at least {MIN_RETENTION:g} seconds, got "
-                f"{older_than!r}: a late duplicate must still find the job completed"
-            )
-        return self._purge_completed(round(older_than * 1000))
+        return self._purge(check_retention(older_than))
+
+    def purge_completed(self, older_than: float) -> int:
+        """The former name of :meth:`purge`, which also deletes released records."""
+        return self.purge(older_than)
 
     def now_ms(self) -> int:
         """The store's clock, in milliseconds since the epoch."""
@@ -403,7 +341,9 @@ class LeaseStore(abc.ABC):
     # -- backend hooks ------------------------------------------------------
 
     @abc.abstractmethod
-    def _claim(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> ClaimResult: ...
+    def _claim(
+        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+    ) -> ClaimResult: ...
 
     @abc.abstractmethod
     def _renew(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult: ...
@@ -412,42 +352,27 @@ class LeaseStore(abc.ABC):
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]: ...
 
     @abc.abstractmethod
-    def _complete(self, job_id: str, owner: str, generation: int) -> CompleteResult: ...
+    def _complete(
+        self, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult: ...
 
     @abc.abstractmethod
     def _release(self, job_id: str, owner: str, generation: int) -> ReleaseResult: ...
 
     @abc.abstractmethod
+    def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
+        """Release as :meth:`force_release` does; ``None`` when there is no
+        record, the record untouched when it is completed."""
+
+    @abc.abstractmethod
     def _get(self, job_id: str) -> LeaseRecord | None: ...
 
     @abc.abstractmethod
-    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord]: ...
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
+        """Records (in ``state``), and an error in place of each unreadable one."""
 
     @abc.abstractmethod
-    def _purge_completed(self, older_than_ms: int) -> int: ...
+    def _purge(self, older_than_ms: int) -> int: ...
 
     @abc.abstractmethod
     def _now_ms(self) -> int: ...
-
-
-def refusal_for(record: LeaseRecord | None, job_id: str, owner: str, generation: int) -> Refusal:
-    """Describe why an operation by (``owner``, ``generation``) was refused.
-
-    Used by stores after a conditional write matched nothing.
-    """
-    if record is None:
-        reason = RefusalReason.MISSING
-    elif record.state is LeaseState.COMPLETED:
-        reason = RefusalReason.COMPLETED
-    elif record.state is LeaseState.RELEASED and record.generation == generation:
-        reason = RefusalReason.RELEASED
-    else:
-        reason = RefusalReason.SUPERSEDED
-    return Refusal(
-        job_id=job_id,
-        owner=owner,
-        generation=generation,
-        reason=reason,
-        current_owner=record.owner if record else None,
-        current_generation=record.generation if record else None,
-    )

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from celery_leases.errors import LeaseRecordUnreadable
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -71,7 +72,9 @@ class MemoryStore(LeaseStore):
     def _now_ms(self) -> int:
         return self._clock()
 
-    def _claim(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> ClaimResult:
+    def _claim(
+        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+    ) -> ClaimResult:
         with self._lock:
             now = self._clock()
             record = self._data.get(job_id)
@@ -79,7 +82,12 @@ class MemoryStore(LeaseStore):
             if record is None:
                 generation = now
             elif record.state is LeaseState.COMPLETED:
-                return AlreadyCompleted(job_id, record.generation)
+                if send_id is None or send_id == record.send_id:
+                    return AlreadyCompleted(
+                        job_id, record.generation, record.send_id, record.outcome
+                    )
+                # a new send of a completed job: a new run
+                generation = record.generation + 1
             elif record.is_live(now):
                 return HeldElsewhere(
                     job_id, record.owner, record.generation, (record.lease_until_ms - now) / 1000
@@ -98,6 +106,7 @@ class MemoryStore(LeaseStore):
                 claimed_at_ms=now,
                 renew_count=0,
                 takeovers=takeovers,
+                send_id=send_id or "",
             )
             return Acquired(job_id, owner, generation, now + ttl_ms, now, takeovers)
 
@@ -136,13 +145,18 @@ class MemoryStore(LeaseStore):
                 for r in requests
             ]
 
-    def _complete(self, job_id: str, owner: str, generation: int) -> CompleteResult:
+    def _complete(
+        self, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
         with self._lock:
             record = self._matching(job_id, owner, generation)
             if record is None:
                 return refusal_for(self._data.get(job_id), job_id, owner, generation)
             self._data[job_id] = dataclasses.replace(
-                record, state=LeaseState.COMPLETED, completed_at_ms=self._clock()
+                record,
+                state=LeaseState.COMPLETED,
+                completed_at_ms=self._clock(),
+                outcome=outcome,
             )
             return Completed(job_id, generation)
 
@@ -151,31 +165,59 @@ class MemoryStore(LeaseStore):
             record = self._matching(job_id, owner, generation)
             if record is None:
                 return refusal_for(self._data.get(job_id), job_id, owner, generation)
+            now = self._clock()
             self._data[job_id] = dataclasses.replace(
-                record, state=LeaseState.RELEASED, owner="", lease_until_ms=self._clock()
+                record, state=LeaseState.RELEASED, owner="", lease_until_ms=now, released_at_ms=now
             )
             return Released(job_id, generation)
+
+    def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
+        with self._lock:
+            record = self._data.get(job_id)
+            if record is None or record.state is LeaseState.COMPLETED:
+                return record
+            now = self._clock()
+            released = dataclasses.replace(
+                record,
+                generation=record.generation + 1,
+                state=LeaseState.RELEASED,
+                owner="",
+                lease_until_ms=now,
+                released_at_ms=now,
+                released_by=by,
+                release_reason=reason,
+            )
+            self._data[job_id] = released
+            return released
 
     def _get(self, job_id: str) -> LeaseRecord | None:
         with self._lock:
             return self._data.get(job_id)
 
-    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord]:
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
         with self._lock:
             snapshot = list(self._data.values())
         return iter([r for r in snapshot if state is None or r.state is state])
 
-    def _purge_completed(self, older_than_ms: int) -> int:
+    def _purge(self, older_than_ms: int) -> int:
         with self._lock:
             now = self._clock()
             doomed = [
                 job_id
                 for job_id, r in self._data.items()
-                if r.state is LeaseState.COMPLETED
-                and r.completed_at_ms is not None
-                and r.completed_at_ms <= now - older_than_ms
+                if (finished := _finished_at(r)) is not None
+                and finished <= now - older_than_ms
                 and r.generation < now
             ]
             for job_id in doomed:
                 del self._data[job_id]
             return len(doomed)
+
+
+def _finished_at(record: LeaseRecord) -> int | None:
+    """When a completed or released record finished, else ``None``."""
+    if record.state is LeaseState.COMPLETED:
+        return record.completed_at_ms
+    if record.state is LeaseState.RELEASED:
+        return record.released_at_ms
+    return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -23,10 +24,28 @@ from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ClusterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
-from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning, StoreUnavailable
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseRecordUnreadable,
+    LeaseStoreWarning,
+    StoreUnavailable,
+)
+from celery_leases.stores import redis_scripts as scripts
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -45,6 +64,8 @@ from celery_leases.stores.base import (
     RenewResult,
     refusal_for,
     ttl_to_ms,
+    unreadable,
+    unreadable_refusal,
 )
 
 __all__ = ["RedisConfigWarning", "RedisStore"]
@@ -60,148 +81,6 @@ SCAN_BATCH = 500
 
 class RedisConfigWarning(LeaseStoreWarning):
     """The Redis server is configured in a way that can lose lease records."""
-
-
-# --- Lua scripts -----------------------------------------------------------
-#
-# Reply codes shared by renew, complete and release:
-#   {1, ...}            done
-#   {0}                 no record: refusal MISSING
-#   {2, HGETALL pairs}  refused; the record as it is, to name the reason
-#                       (superseded, released, completed) without asking twice
-
-# Store time in integer milliseconds from the server's clock, and integer
-# formatting: Lua numbers are doubles, and the default conversion of a
-# number to a string may use an exponent for large values.
-_PRELUDE = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function int(n)
-  return string.format('%d', n)
-end
-"""
-
-#: Claim the lease.
-#: KEYS[1] record key; ARGV[1] owner, ARGV[2] ttl in ms, ARGV[3] task name.
-#: Returns {1, generation, lease_until, now, takeovers}  acquired
-#:         {2, holder, generation, lease_until, now}     held by a live lease elsewhere
-#:         {3, generation}                               already completed
-CLAIM_SCRIPT = (
-    _PRELUDE
-    + """
-local key = KEYS[1]
-local owner, ttl_ms, task_name = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local now = now_ms()
-local f = redis.call('HMGET', key, 'generation', 'state', 'owner', 'lease_until', 'takeovers')
-local generation, takeovers
-local existed = f[1] ~= false
-if not existed then
-  -- a new record starts at the clock: above any generation of a purged one
-  generation, takeovers = now, 0
-else
-  local current = tonumber(f[1])
-  if f[2] == 'completed' then
-    return {3, current}
-  end
-  local lease_until = tonumber(f[4])
-  if f[2] == 'held' and lease_until > now then
-    return {2, f[3], current, lease_until, now}
-  end
-  generation = current + 1
-  takeovers = tonumber(f[5] or '0')
-  if f[2] == 'held' then
-    -- the holder's lease ran out without a release: it died or stalled
-    takeovers = takeovers + 1
-  end
-end
-local lease_until = now + ttl_ms
-redis.call('HSET', key, 'owner', owner, 'generation', int(generation),
-  'lease_until', int(lease_until), 'state', 'held', 'task_name', task_name,
-  'claimed_at', int(now), 'renew_count', '0', 'takeovers', int(takeovers))
-if existed then
-  -- a new record never had these; an old one's belong to the previous holder
-  redis.call('HDEL', key, 'renewed_at', 'completed_at')
-end
-return {1, generation, lease_until, now, takeovers}
-"""
-)
-
-# The fence of renew, complete and release: owner and generation match and
-# the lease is held (a run-out lease nobody claimed since still matches).
-_FENCE = """
-local key = KEYS[1]
-local f = redis.call('HMGET', key, 'owner', 'generation', 'state')
-if not f[2] then
-  return {0}
-end
-if f[1] ~= ARGV[1] or f[2] ~= ARGV[2] or f[3] ~= 'held' then
-  return {2, redis.call('HGETALL', key)}
-end
-local now = now_ms()
-"""
-
-#: Renew the lease.
-#: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation, ARGV[3] ttl in ms.
-#: Returns {1, lease_until, now} renewed; {0} missing; {2, pairs} refused.
-RENEW_SCRIPT = (
-    _PRELUDE
-    + _FENCE
-    + """
-local lease_until = now + tonumber(ARGV[3])
-redis.call('HSET', key, 'lease_until', int(lease_until), 'renewed_at', int(now))
-redis.call('HINCRBY', key, 'renew_count', 1)
-return {1, lease_until, now}
-"""
-)
-
-#: Complete the job; the record keeps its owner and generation.
-#: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation.
-#: Returns {1} completed; {0} missing; {2, pairs} refused.
-COMPLETE_SCRIPT = (
-    _PRELUDE
-    + _FENCE
-    + """
-redis.call('HSET', key, 'state', 'completed', 'completed_at', int(now))
-return {1}
-"""
-)
-
-#: Release the lease: the owner is cleared, the generation kept.
-#: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation.
-#: Returns {1} released; {0} missing; {2, pairs} refused.
-RELEASE_SCRIPT = (
-    _PRELUDE
-    + _FENCE
-    + """
-redis.call('HSET', key, 'state', 'released', 'owner', '', 'lease_until', int(now))
-return {1}
-"""
-)
-
-#: Delete one completed record if it is old enough and its generation is
-#: below the clock, so a record made again starts above it (I1).
-#: KEYS[1] record key; ARGV[1] retention in ms.
-#: Returns 1 deleted, 0 kept.
-PURGE_ONE_SCRIPT = (
-    _PRELUDE
-    + """
-local f = redis.call('HMGET', KEYS[1], 'state', 'completed_at', 'generation')
-if f[1] ~= 'completed' or not f[2] then
-  return 0
-end
-local now = now_ms()
-if tonumber(f[2]) <= now - tonumber(ARGV[1]) and tonumber(f[3]) < now then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
-)
-
-_DONE, _MISSING, _REFUSED = 1, 0, 2
-_ACQUIRED, _HELD_ELSEWHERE, _ALREADY_COMPLETED = 1, 2, 3
 
 
 class _Script:
@@ -253,31 +132,82 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _pairs(flat: Sequence[Any]) -> dict[str, str]:
-    """A field -> value dict from a flat HGETALL reply of a script."""
-    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+def _fields(flat: Sequence[Any]) -> dict[str, Any]:
+    """A field -> raw value dict from a flat HGETALL reply of a script."""
+    return {_text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def _optional_int(fields: Mapping[str, str], name: str) -> int | None:
-    value = fields.get(name)
-    return int(value) if value else None
+_WHOLE = re.compile(r"[0-9]+")
+_INT_FIELDS = ("claimed_at", "renewed_at", "completed_at", "released_at")
 
 
-def _record(job_id: str, fields: Mapping[str, str]) -> LeaseRecord:
-    """The record of ``job_id`` from its hash fields."""
-    return LeaseRecord(
-        job_id=job_id,
-        owner=fields.get("owner", ""),
-        generation=int(fields["generation"]),
-        lease_until_ms=int(fields.get("lease_until") or 0),
-        state=LeaseState(fields["state"]),
-        task_name=fields.get("task_name", ""),
-        claimed_at_ms=_optional_int(fields, "claimed_at"),
-        renewed_at_ms=_optional_int(fields, "renewed_at"),
-        completed_at_ms=_optional_int(fields, "completed_at"),
-        renew_count=int(fields.get("renew_count") or 0),
-        takeovers=int(fields.get("takeovers") or 0),
-    )
+def _record(job_id: str, raw: Mapping[Any, Any], where: str) -> LeaseRecord:
+    """The record of ``job_id`` from its raw hash fields.
+
+    Raises:
+        LeaseRecordUnreadable: a field is missing or is not what the store writes.
+    """
+    try:
+        fields = {_text(k): v for k, v in raw.items()}
+        outcome = fields.pop("outcome", None)
+        text = {name: _text(value) for name, value in fields.items()}
+        for name in ("generation", "lease_until", "renew_count", "takeovers", *_INT_FIELDS):
+            if name in text and not _WHOLE.fullmatch(text[name]):
+                raise ValueError(f"{name} is {text[name]!r}, not a whole number")
+        for name in ("owner", "generation", "lease_until", "state"):
+            if name not in text:
+                raise ValueError(f"the field {name!r} is missing")
+        times = {name: int(text[name]) if text.get(name) else None for name in _INT_FIELDS}
+        if isinstance(outcome, str):  # a client that decodes responses
+            outcome = outcome.encode("utf-8", "surrogateescape")
+        return LeaseRecord(
+            job_id=job_id,
+            owner=text["owner"],
+            generation=int(text["generation"]),
+            lease_until_ms=int(text["lease_until"]),
+            state=LeaseState(text["state"]),
+            task_name=text.get("task_name", ""),
+            claimed_at_ms=times["claimed_at"],
+            renewed_at_ms=times["renewed_at"],
+            completed_at_ms=times["completed_at"],
+            renew_count=int(text.get("renew_count") or 0),
+            takeovers=int(text.get("takeovers") or 0),
+            send_id=text.get("send_id", ""),
+            outcome=outcome,
+            released_at_ms=times["released_at"],
+            released_by=text.get("released_by", ""),
+            release_reason=text.get("release_reason", ""),
+        )
+    except ValueError as exc:  # UnicodeDecodeError and a bad state are ValueErrors
+        raise unreadable(job_id, where, str(exc)) from exc
+
+
+def _permanent(exc: RedisError) -> bool:
+    """Whether ``exc`` is a refusal that trying again cannot change.
+
+    Unreachable, timed out, loading, busy, read-only (a failover), out of
+    memory, a cluster that is down: the store is unavailable for now.
+    Credentials, rights, and any other error reply (an unknown command, a
+    server without scripting): a configuration to fix.
+    """
+    if isinstance(
+        exc,
+        (
+            AuthenticationError,
+            AuthorizationError,
+            NoPermissionError,
+            AuthenticationWrongNumberOfArgsError,
+        ),
+    ):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False  # connection errors, timeouts, BusyLoadingError, bad replies
+    if isinstance(exc, (ReadOnlyError, OutOfMemoryError, TryAgainError, ClusterDownError)):
+        return False
+    code = str(exc).split(" ", 1)[0].upper()
+    if code in ("NOAUTH", "WRONGPASS", "NOPERM"):
+        return True
+    return code not in ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
 
 
 def _escape_glob(text: str) -> str:
@@ -309,11 +239,12 @@ class RedisStore(LeaseStore):
         self.url = _describe(client)
         self.prefix = prefix
         self._client = client
-        self._claim_script = _Script(CLAIM_SCRIPT)
-        self._renew_script = _Script(RENEW_SCRIPT)
-        self._complete_script = _Script(COMPLETE_SCRIPT)
-        self._release_script = _Script(RELEASE_SCRIPT)
-        self._purge_one_script = _Script(PURGE_ONE_SCRIPT)
+        self._claim_script = _Script(scripts.CLAIM_SCRIPT)
+        self._renew_script = _Script(scripts.RENEW_SCRIPT)
+        self._complete_script = _Script(scripts.COMPLETE_SCRIPT)
+        self._release_script = _Script(scripts.RELEASE_SCRIPT)
+        self._force_release_script = _Script(scripts.FORCE_RELEASE_SCRIPT)
+        self._purge_one_script = _Script(scripts.PURGE_ONE_SCRIPT)
         self._config_pending = check_config
         if check_config:
             self._check_config()
@@ -378,27 +309,41 @@ class RedisStore(LeaseStore):
         operation that reached the server, so a server that is down costs
         one failed connection per operation, not two.
         """
+        about = f" of job {job_id!r}" if job_id else ""
         try:
             yield
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(
-                f"the Redis lease store at {self.url} failed during {operation}"
-                + (f" of job {job_id!r}" if job_id else "")
-                + f" ({type(exc).__name__}: {exc}). Check that the server is up and "
-                "reachable; the outcome of this operation is unknown to the caller.",
-                job_id=job_id,
-            ) from exc
+        except RedisError as exc:
+            if _permanent(exc):
+                raise LeaseConfigurationError(
+                    f"the Redis lease store at {self.url} refused {operation}{about} "
+                    f"({type(exc).__name__}: {exc}). This is not an outage and trying again "
+                    "will not help: check the user and password in the store URL and that "
+                    "the user may run EVALSHA, SCRIPT LOAD, HGETALL, SCAN and TIME on keys "
+                    f"under {self.prefix!r}.",
+                    job_id=job_id,
+                ) from exc
+            raise self._unavailable(operation, about, exc, job_id) from exc
+        except OSError as exc:
+            raise self._unavailable(operation, about, exc, job_id) from exc
         except (KeyError, ValueError, IndexError) as exc:
-            # a record written by something else under our prefix, or a reply
-            # from a server that is not Redis-compatible enough
+            # a reply from a server that is not Redis-compatible enough
             raise StoreUnavailable(
                 f"the Redis lease store at {self.url} returned data it cannot read during "
-                f"{operation}" + (f" of job {job_id!r}" if job_id else "") + f" ({exc!r}). "
-                f"Check that nothing else writes keys under the prefix {self.prefix!r}.",
+                f"{operation}{about} ({exc!r}). Check that the server is Redis 7 or newer.",
                 job_id=job_id,
             ) from exc
         if self._config_pending:
             self._check_config()
+
+    def _unavailable(
+        self, operation: str, about: str, exc: Exception, job_id: str | None
+    ) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the Redis lease store at {self.url} failed during {operation}{about} "
+            f"({type(exc).__name__}: {exc}). Check that the server is up and reachable; "
+            "the outcome of this operation is unknown to the caller.",
+            job_id=job_id,
+        )
 
     def _check_config(self) -> None:
         """Warn when the server can lose lease records; see :class:`RedisStore`."""
@@ -481,15 +426,21 @@ class RedisStore(LeaseStore):
     def _fenced_reply(
         self, reply: Any, job_id: str, owner: str, generation: int
     ) -> tuple[list[Any] | None, Refusal | None]:
-        """Split a fenced script reply into (done payload, refusal)."""
+        """Split a fenced script reply into (done payload, refusal).
+
+        Raises:
+            LeaseRecordUnreadable: the script found the record unreadable.
+        """
         code = int(reply[0])
-        if code == _DONE:
+        if code == scripts.DONE:
             return list(reply[1:]), None
-        if code == _MISSING:
+        if code == scripts.MISSING:
             return None, refusal_for(None, job_id, owner, generation)
-        if code == _REFUSED:
-            record = _record(job_id, _pairs(reply[1]))
+        if code == scripts.REFUSED:
+            record = _record(job_id, _fields(reply[1]), self.url)
             return None, refusal_for(record, job_id, owner, generation)
+        if code == scripts.UNREADABLE:
+            raise unreadable(job_id, self.url, "found by the script")
         raise ResponseError(f"unexpected reply {reply!r} from a lease script")
 
     def _renew_result(self, reply: Any, job_id: str, owner: str, generation: int) -> RenewResult:
@@ -501,20 +452,35 @@ class RedisStore(LeaseStore):
 
     # -- backend hooks ---------------------------------------------------------
 
-    def _claim(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> ClaimResult:
+    def _claim(
+        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+    ) -> ClaimResult:
         with self._errors("claim", job_id):
-            reply = self._eval(self._claim_script, self.key(job_id), owner, ttl_ms, task_name)
+            reply = self._eval(
+                self._claim_script,
+                self.key(job_id),
+                owner,
+                ttl_ms,
+                task_name,
+                send_id or "",
+                "0" if send_id is None else "1",
+            )
             code = int(reply[0])
-            if code == _ACQUIRED:
+            if code == scripts.ACQUIRED:
                 return Acquired(
                     job_id, owner, int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4])
                 )
-            if code == _HELD_ELSEWHERE:
+            if code == scripts.HELD_ELSEWHERE:
                 holder = _text(reply[1])
                 generation, lease_until, now = (int(v) for v in reply[2:5])
                 return HeldElsewhere(job_id, holder, generation, (lease_until - now) / 1000)
-            if code == _ALREADY_COMPLETED:
-                return AlreadyCompleted(job_id, int(reply[1]))
+            if code == scripts.ALREADY_COMPLETED:
+                outcome = reply[3] if len(reply) > 3 else None
+                if isinstance(outcome, str):  # a client that decodes responses
+                    outcome = outcome.encode("utf-8", "surrogateescape")
+                return AlreadyCompleted(job_id, int(reply[1]), _text(reply[2]), outcome)
+            if code == scripts.CLAIM_UNREADABLE:
+                raise unreadable(job_id, self.url, "found by the claim script")
             raise ResponseError(f"unexpected reply {reply!r} from the claim script")
 
     def _renew(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult:
@@ -526,14 +492,27 @@ class RedisStore(LeaseStore):
         calls = [(self.key(r.job_id), (r.owner, r.generation, ttl_to_ms(r.ttl))) for r in requests]
         with self._errors(f"renew_many of {len(calls)} leases"):
             replies = self._run_batch(self._renew_script, calls)
-            return [
-                self._renew_result(reply, r.job_id, r.owner, r.generation)
-                for r, reply in zip(requests, replies, strict=True)
-            ]
+            results: list[RenewResult] = []
+            for r, reply in zip(requests, replies, strict=True):
+                try:
+                    results.append(self._renew_result(reply, r.job_id, r.owner, r.generation))
+                except LeaseRecordUnreadable:
+                    # one bad record must not stop the heartbeat of every other lease
+                    results.append(unreadable_refusal(r.job_id, r.owner, r.generation))
+            return results
 
-    def _complete(self, job_id: str, owner: str, generation: int) -> CompleteResult:
+    def _complete(
+        self, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
         with self._errors("complete", job_id):
-            reply = self._eval(self._complete_script, self.key(job_id), owner, generation)
+            reply = self._eval(
+                self._complete_script,
+                self.key(job_id),
+                owner,
+                generation,
+                outcome or b"",
+                "0" if outcome is None else "1",
+            )
             _, refusal = self._fenced_reply(reply, job_id, owner, generation)
             return refusal if refusal is not None else Completed(job_id, generation)
 
@@ -543,12 +522,30 @@ class RedisStore(LeaseStore):
             _, refusal = self._fenced_reply(reply, job_id, owner, generation)
             return refusal if refusal is not None else Released(job_id, generation)
 
+    def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
+        with self._errors("force_release", job_id):
+            reply = self._eval(self._force_release_script, self.key(job_id), by, reason)
+            code = int(reply[0])
+            if code == scripts.MISSING:
+                return None
+            if code == scripts.UNREADABLE:
+                raise unreadable(job_id, self.url, "found by the release script")
+            if code in (scripts.DONE, scripts.REFUSED):
+                return _record(job_id, _fields(reply[1]), self.url)
+            raise ResponseError(f"unexpected reply {reply!r} from the release script")
+
     def _get(self, job_id: str) -> LeaseRecord | None:
         with self._errors("get", job_id):
-            fields = self._client.hgetall(self.key(job_id))
+            key = self.key(job_id)
+            try:
+                fields = self._client.hgetall(key)
+            except ResponseError as exc:
+                if not str(exc).startswith("WRONGTYPE"):
+                    raise
+                raise unreadable(job_id, self.url, "the key is not a hash") from exc
             if not fields:
                 return None
-            return _record(job_id, {_text(k): _text(v) for k, v in fields.items()})
+            return _record(job_id, fields, self.url)
 
     def _scan_keys(self) -> Iterator[list[str]]:
         """Batches of record keys under the prefix, each key once."""
@@ -568,7 +565,7 @@ class RedisStore(LeaseStore):
     def _job_id(self, key: str) -> str:
         return key[len(self.prefix) + 1 : -1]
 
-    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord]:
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
         with self._errors("records"):
             for keys in self._scan_keys():
                 pipe = self._client.pipeline(transaction=False)
@@ -578,14 +575,16 @@ class RedisStore(LeaseStore):
                     # deleted since the scan, or not a record (another kind of key)
                     if not isinstance(fields, dict) or not fields:
                         continue
-                    record = _record(
-                        self._job_id(key), {_text(k): _text(v) for k, v in fields.items()}
-                    )
+                    try:
+                        record = _record(self._job_id(key), fields, self.url)
+                    except LeaseRecordUnreadable as error:
+                        yield error
+                        continue
                     if state is None or record.state is state:
                         yield record
 
-    def _purge_completed(self, older_than_ms: int) -> int:
-        with self._errors("purge_completed"):
+    def _purge(self, older_than_ms: int) -> int:
+        with self._errors("purge"):
             deleted = 0
             for keys in self._scan_keys():
                 calls = [(key, (older_than_ms,)) for key in keys]

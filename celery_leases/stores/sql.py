@@ -33,7 +33,11 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Engine, RowMapping
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
-from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseRecordUnreadable,
+    StoreUnavailable,
+)
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -51,6 +55,8 @@ from celery_leases.stores.base import (
     RenewResult,
     refusal_for,
     ttl_to_ms,
+    unreadable,
+    unreadable_refusal,
 )
 
 __all__ = ["SqlStore", "create_table", "lease_table"]
@@ -127,13 +133,38 @@ def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> 
         sa.Column("completed_at", sa.BigInteger, nullable=True),
         sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
         sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
+        *_added_columns(),
         # purge_completed and records(state=...) filter on these
         sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
     )
 
 
+def _added_columns() -> list[sa.Column[Any]]:
+    """Columns added after the first release; :func:`create_table` adds them
+    to a table made before them."""
+    return [
+        sa.Column("send_id", sa.String(255), nullable=False, server_default=""),
+        sa.Column("outcome", sa.LargeBinary, nullable=True),
+        sa.Column("released_at", sa.BigInteger, nullable=True),
+        sa.Column("released_by", sa.String(255), nullable=False, server_default=""),
+        sa.Column("release_reason", sa.Text, nullable=False, server_default=""),
+    ]
+
+
+def _add_missing_columns(conn: Connection, table: sa.Table) -> None:
+    """ALTER TABLE ... ADD COLUMN for each column an older table lacks."""
+    present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+    for column in _added_columns():
+        if column.name in present:
+            continue
+        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
+        conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+
+
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
     """Create the lease table and its index unless they exist; safe to race.
+
+    A table made by an older release gets the columns it lacks.
 
     Returns:
         The table, bound to a fresh ``MetaData``.
@@ -148,11 +179,12 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
         with engine.begin() as conn:
             dialect.lock_for_ddl(conn, table_name)
             table.metadata.create_all(conn, checkfirst=True)
+            _add_missing_columns(conn, table)
     except (exc.DBAPIError, exc.TimeoutError) as error:
-        raise StoreUnavailable(
-            f"could not create the lease table {table_name!r} in "
-            f"{_masked_url(engine)}: {_reason(error)}"
-        ) from error
+        about = f"could not create the lease table {table_name!r} in {_masked_url(engine)}"
+        if _permanent(error):
+            raise LeaseConfigurationError(f"{about}: {_reason(error)}. {_FIX}") from error
+        raise StoreUnavailable(f"{about}: {_reason(error)}") from error
     return table
 
 
@@ -180,6 +212,9 @@ class _Dialect:
     read_options: Mapping[str, Any]
     #: serializes concurrent CREATE TABLE inside a transaction
     lock_for_ddl: Callable[[Connection, str], None]
+    #: true when a column holds a whole number (SQLite keeps any value in any
+    #: column, and then 'abc' + 1 is 1)
+    whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
 
     def now_ms(self) -> ColumnElement[int]:
         """The database's clock in ms, as a column expression."""
@@ -230,6 +265,14 @@ def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
     return None
 
 
+def _postgres_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    return sa.true()  # a BIGINT column holds nothing else
+
+
+def _sqlite_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    return sa.func.typeof(column) == "integer"
+
+
 _POSTGRES = _Dialect(
     name="postgresql",
     now_sql=POSTGRES_NOW_MS,
@@ -238,6 +281,7 @@ _POSTGRES = _Dialect(
     write_options={"isolation_level": "AUTOCOMMIT"},
     read_options={"isolation_level": "AUTOCOMMIT"},
     lock_for_ddl=_postgres_lock_for_ddl,
+    whole=_postgres_whole,
 )
 
 _SQLITE = _Dialect(
@@ -248,6 +292,7 @@ _SQLITE = _Dialect(
     write_options={},
     read_options={_READ_ONLY_OPTION: True},
     lock_for_ddl=_sqlite_lock_for_ddl,
+    whole=_sqlite_whole,
 )
 
 
@@ -335,6 +380,51 @@ def _masked_url(engine: Engine) -> str:
     return engine.url.render_as_string(hide_password=True)
 
 
+#: SQLSTATEs of an operational error that is a configuration, not an outage:
+#: class 28 (invalid authorization), no such database, insufficient privilege
+_PERMANENT_SQLSTATES = ("3D000", "42501")
+
+#: what drivers say when they give no SQLSTATE (a failed connection attempt)
+_PERMANENT_MESSAGES = (
+    "password authentication failed",
+    "no password supplied",
+    "no pg_hba.conf entry",
+    "does not exist",
+    "permission denied",
+    "no such table",
+    "no such column",
+    "has no column named",
+    "readonly database",
+)
+
+_FIX = (
+    "This is not an outage and trying again will not help: check the user, "
+    "password, database and rights in the store URL, and the lease table."
+)
+
+
+def _permanent(error: BaseException) -> bool:
+    """Whether a driver error is a refusal that trying again cannot change.
+
+    Connection refused or reset, timeouts, a database shutting down or a
+    SQLite file locked past the busy timeout are unavailability; credentials,
+    rights, a missing database or table and a value the database refuses
+    are configuration.
+    """
+    if isinstance(
+        error, (exc.DataError, exc.ProgrammingError, exc.IntegrityError, exc.NotSupportedError)
+    ):
+        return True
+    if not isinstance(error, exc.OperationalError):
+        return False
+    orig = getattr(error, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate:
+        return sqlstate.startswith("28") or sqlstate in _PERMANENT_SQLSTATES
+    text = str(orig if orig is not None else error).lower()
+    return any(message in text for message in _PERMANENT_MESSAGES)
+
+
 def _reason(error: BaseException) -> str:
     orig = getattr(error, "orig", None)
     text = str(orig if orig is not None else error).strip()
@@ -350,7 +440,8 @@ def _reason(error: BaseException) -> str:
 # parameter dict. A statement object keeps its cache key, so every later
 # call finds the compiled SQL in the engine's compiled cache at once.
 #
-# Bind parameters: p_job_id, p_owner, p_generation, p_ttl_ms, p_task_name;
+# Bind parameters: p_job_id, p_owner, p_generation, p_ttl_ms, p_task_name,
+# p_send_id, p_new_send (a send id was given), p_outcome, p_by, p_reason;
 # p_batch (the JSON of a renew_many); p_job_ids (expanding); p_older_than_ms.
 # The "p_" keeps them apart from the column names, which SQLAlchemy reserves
 # in INSERT and UPDATE.
@@ -394,13 +485,16 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     """INSERT ... SELECT ... ON CONFLICT (job_id) DO UPDATE ... RETURNING.
 
     A new row gets generation = now. An existing row is taken over only if
-    it is released, or held with a lease that ran out; then its generation
-    goes up by one and a held one counts as a takeover. The clock is read
-    once, in ``n``; the DO UPDATE reads it back as ``excluded.claimed_at``.
+    it is released, held with a lease that ran out, or completed under
+    another send id than a given ``:p_send_id`` (a new run); then its
+    generation goes up by one and a held one counts as a takeover (a new run
+    starts counting again). The clock is read once, in ``n``; the DO UPDATE
+    reads it back as ``excluded.claimed_at``.
     """
     t = table
     n = _now_row(dialect)
     held = LeaseState.HELD.value
+    completed = LeaseState.COMPLETED.value
     source = (
         sa.select(
             sa.bindparam("p_job_id", type_=sa.String),
@@ -412,6 +506,7 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
             n.c.now,
             sa.literal(0, sa.Integer),
             sa.literal(0, sa.Integer),
+            sa.bindparam("p_send_id", type_=sa.String),
         )
         .select_from(n)
         # SQLite reads "SELECT ... FROM n ON CONFLICT" as a join's ON
@@ -429,6 +524,7 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
             "claimed_at",
             "renew_count",
             "takeovers",
+            "send_id",
         ],
         source,
     )
@@ -445,11 +541,29 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
             "renewed_at": None,
             "completed_at": None,
             "renew_count": 0,
-            "takeovers": t.c.takeovers + sa.case((t.c.state == held, 1), else_=0),
+            "takeovers": sa.case(
+                (t.c.state == held, t.c.takeovers + 1),
+                (t.c.state == completed, 0),
+                else_=t.c.takeovers,
+            ),
+            "send_id": insert.excluded.send_id,
+            "outcome": None,
+            "released_at": None,
+            "released_by": "",
+            "release_reason": "",
         },
-        where=sa.or_(
-            t.c.state == LeaseState.RELEASED.value,
-            sa.and_(t.c.state == held, t.c.lease_until <= now),
+        where=sa.and_(
+            sa.or_(
+                t.c.state == LeaseState.RELEASED.value,
+                sa.and_(t.c.state == held, t.c.lease_until <= now),
+                sa.and_(
+                    t.c.state == completed,
+                    sa.bindparam("p_new_send", type_=sa.Boolean),
+                    t.c.send_id != insert.excluded.send_id,
+                ),
+            ),
+            dialect.whole(t.c.generation),
+            dialect.whole(t.c.lease_until),
         ),
     ).returning(t.c.generation, t.c.lease_until, t.c.claimed_at, t.c.takeovers)
 
@@ -490,6 +604,8 @@ class _Statements:
     renew_many: Any
     complete: Any
     release: Any
+    #: an operator's release; RETURNING the whole record
+    force_release: Any
     #: the record of ``:p_job_id``
     record: Any
     #: the records of ``:p_job_ids``
@@ -505,6 +621,7 @@ class _Statements:
         renew_now = _now_once(dialect)
         # one clock reading for the purge (an InitPlan in PostgreSQL)
         purge_now = sa.select(dialect.now_ms()).scalar_subquery()
+        purge_before = purge_now - sa.bindparam("p_older_than_ms", type_=sa.BigInteger)
         return cls(
             claim=_claim_statement(t, dialect),
             holder=(
@@ -526,15 +643,42 @@ class _Statements:
             renew_many=_renew_many_statement(t, dialect),
             complete=(
                 sa.update(t)
-                .values(state=LeaseState.COMPLETED.value, completed_at=dialect.now_ms())
+                .values(
+                    state=LeaseState.COMPLETED.value,
+                    completed_at=dialect.now_ms(),
+                    outcome=sa.bindparam("p_outcome", type_=sa.LargeBinary),
+                )
                 .where(_held_by_parameters(t))
                 .returning(t.c.job_id)
             ),
             release=(
                 sa.update(t)
-                .values(state=LeaseState.RELEASED.value, owner="", lease_until=dialect.now_ms())
+                .values(
+                    state=LeaseState.RELEASED.value,
+                    owner="",
+                    lease_until=renew_now,
+                    released_at=renew_now,
+                )
                 .where(_held_by_parameters(t))
                 .returning(t.c.job_id)
+            ),
+            force_release=(
+                sa.update(t)
+                .values(
+                    generation=t.c.generation + 1,
+                    state=LeaseState.RELEASED.value,
+                    owner="",
+                    lease_until=renew_now,
+                    released_at=renew_now,
+                    released_by=sa.bindparam("p_by", type_=sa.String),
+                    release_reason=sa.bindparam("p_reason", type_=sa.String),
+                )
+                .where(
+                    t.c.job_id == sa.bindparam("p_job_id"),
+                    t.c.state.in_([LeaseState.HELD.value, LeaseState.RELEASED.value]),
+                    dialect.whole(t.c.generation),
+                )
+                .returning(*t.c)
             ),
             record=sa.select(t).where(t.c.job_id == sa.bindparam("p_job_id")),
             records_of=sa.select(t).where(
@@ -542,12 +686,21 @@ class _Statements:
             ),
             now=sa.select(dialect.now_ms()),
             purge=sa.delete(t).where(
-                t.c.state == LeaseState.COMPLETED.value,
-                t.c.completed_at.is_not(None),
-                t.c.completed_at
-                <= purge_now - sa.bindparam("p_older_than_ms", type_=sa.BigInteger),
+                sa.or_(
+                    sa.and_(
+                        t.c.state == LeaseState.COMPLETED.value,
+                        t.c.completed_at <= purge_before,
+                    ),
+                    sa.and_(
+                        t.c.state == LeaseState.RELEASED.value,
+                        # released before released_at existed: the lease
+                        # ended at the release
+                        sa.func.coalesce(t.c.released_at, t.c.lease_until) <= purge_before,
+                    ),
+                ),
                 # a record made again later starts at the clock then: above this
                 t.c.generation < purge_now,
+                dialect.whole(t.c.generation),
             ),
         )
 
@@ -651,11 +804,20 @@ class SqlStore(LeaseStore):
         owner: str | None = None,
         generation: int | None = None,
     ) -> Iterator[None]:
-        """Wrap driver errors of one operation in StoreUnavailable."""
+        """Wrap driver errors of one operation: StoreUnavailable for an outage,
+        LeaseConfigurationError for a refusal that trying again cannot change."""
+        about = f" of job {job_id!r}" if job_id is not None else ""
         try:
             yield
         except (exc.DBAPIError, exc.TimeoutError) as error:
-            about = f" of job {job_id!r}" if job_id is not None else ""
+            if _permanent(error):
+                raise LeaseConfigurationError(
+                    f"SQL lease store {self.url} (table {self.table.name!r}) refused "
+                    f"{operation}{about}: {_reason(error)}. {_FIX}",
+                    job_id=job_id,
+                    owner=owner,
+                    generation=generation,
+                ) from error
             raise StoreUnavailable(
                 f"SQL lease store {self.url} (table {self.table.name!r}) failed "
                 f"during {operation}{about}: {_reason(error)}. Check that the "
@@ -664,10 +826,21 @@ class SqlStore(LeaseStore):
                 owner=owner,
                 generation=generation,
             ) from error
+        except exc.StatementError as error:
+            # a value the driver could not send (not a database error)
+            raise LeaseConfigurationError(
+                f"SQL lease store {self.url} could not send {operation}{about}: {_reason(error)}",
+                job_id=job_id,
+                owner=owner,
+                generation=generation,
+            ) from error
+
+    def _record(self, row: RowMapping) -> LeaseRecord:
+        return _record(row, self.url)
 
     def _select_record(self, conn: Connection, job_id: str) -> LeaseRecord | None:
         row = conn.execute(self._statements.record, {"p_job_id": job_id}).first()
-        return None if row is None else _record(row._mapping)
+        return None if row is None else self._record(row._mapping)
 
     # -- fencing support ----------------------------------------------------
 
@@ -690,13 +863,17 @@ class SqlStore(LeaseStore):
         with self._guard("now_ms"), self._reader.connect() as conn:
             return int(conn.execute(self._statements.now).scalar_one())
 
-    def _claim(self, job_id: str, owner: str, ttl_ms: int, task_name: str) -> ClaimResult:
+    def _claim(
+        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+    ) -> ClaimResult:
         statements = self._statements
         parameters = {
             "p_job_id": job_id,
             "p_owner": owner,
             "p_ttl_ms": ttl_ms,
             "p_task_name": task_name,
+            "p_send_id": send_id or "",
+            "p_new_send": send_id is not None,
         }
         result: ClaimResult | None = None
         with self._guard("claim", job_id, owner), self._writer.begin() as conn:
@@ -709,18 +886,29 @@ class SqlStore(LeaseStore):
                 found = conn.execute(statements.holder, {"p_job_id": job_id}).first()
                 if found is None:
                     continue  # purged between the two statements: claim again
-                holder = _record(found._mapping)
+                holder = self._record(found._mapping)
                 now = int(found.now)
                 if holder.state is LeaseState.COMPLETED:
-                    result = AlreadyCompleted(job_id, holder.generation)
+                    if send_id is not None and send_id != holder.send_id:
+                        continue  # completed since the claim looked: a new run
+                    result = AlreadyCompleted(
+                        job_id, holder.generation, holder.send_id, holder.outcome
+                    )
                     break
                 remaining = (holder.lease_until_ms - now) / 1000
                 result = HeldElsewhere(job_id, holder.owner, holder.generation, max(0.0, remaining))
                 if holder.is_live(now):
                     break
                 # released or run out since the claim looked: try again
+        if result is None:
+            # every attempt found the record changing under it
+            raise StoreUnavailable(
+                f"SQL lease store {self.url}: the record of job {job_id!r} changed during "
+                f"each of {CLAIM_ATTEMPTS} claim attempts; no lease was given",
+                job_id=job_id,
+                owner=owner,
+            )
         # only now has the transaction committed (and the Acquired is real)
-        assert result is not None  # CLAIM_ATTEMPTS >= 1
         return result
 
     def _renew(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult:
@@ -766,24 +954,44 @@ class SqlStore(LeaseStore):
         results: list[RenewResult] = []
         for r in requests:
             hit = renewed.get((r.job_id, r.owner, r.generation))
-            if hit is None:
-                results.append(refusal_for(current.get(r.job_id), r.job_id, r.owner, r.generation))
-            else:
+            if hit is not None:
                 results.append(hit)
+                continue
+            record = current.get(r.job_id)
+            if isinstance(record, LeaseRecordUnreadable):
+                # one bad record must not stop the heartbeat of every other lease
+                results.append(unreadable_refusal(r.job_id, r.owner, r.generation))
+            else:
+                results.append(refusal_for(record, r.job_id, r.owner, r.generation))
         return results
 
-    def _select_records(self, conn: Connection, job_ids: Sequence[str]) -> dict[str, LeaseRecord]:
-        """The records of ``job_ids`` (in chunks, to stay under bind limits)."""
-        found: dict[str, LeaseRecord] = {}
+    def _select_records(
+        self, conn: Connection, job_ids: Sequence[str]
+    ) -> dict[str, LeaseRecord | LeaseRecordUnreadable]:
+        """The records of ``job_ids`` (in chunks, to stay under bind limits);
+        an error in place of each one that cannot be read."""
+        found: dict[str, LeaseRecord | LeaseRecordUnreadable] = {}
         for start in range(0, len(job_ids), 1000):
             chunk = list(job_ids[start : start + 1000])
             for row in conn.execute(self._statements.records_of, {"p_job_ids": chunk}):
-                record = _record(row._mapping)
-                found[record.job_id] = record
+                found[row.job_id] = self._readable(row._mapping)
         return found
 
-    def _complete(self, job_id: str, owner: str, generation: int) -> CompleteResult:
-        parameters = {"p_job_id": job_id, "p_owner": owner, "p_generation": generation}
+    def _readable(self, row: RowMapping) -> LeaseRecord | LeaseRecordUnreadable:
+        try:
+            return self._record(row)
+        except LeaseRecordUnreadable as error:
+            return error
+
+    def _complete(
+        self, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
+        parameters = {
+            "p_job_id": job_id,
+            "p_owner": owner,
+            "p_generation": generation,
+            "p_outcome": outcome,
+        }
         with self._guard("complete", job_id, owner, generation), self._writer.begin() as conn:
             if conn.execute(self._statements.complete, parameters).first() is None:
                 return refusal_for(self._select_record(conn, job_id), job_id, owner, generation)
@@ -796,11 +1004,20 @@ class SqlStore(LeaseStore):
                 return refusal_for(self._select_record(conn, job_id), job_id, owner, generation)
         return Released(job_id, generation)
 
+    def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
+        parameters = {"p_job_id": job_id, "p_by": by, "p_reason": reason}
+        with self._guard("force_release", job_id), self._writer.begin() as conn:
+            row = conn.execute(self._statements.force_release, parameters).first()
+            if row is not None:
+                return self._record(row._mapping)
+            # missing, completed (left as it is) or unreadable
+            return self._select_record(conn, job_id)
+
     def _get(self, job_id: str) -> LeaseRecord | None:
         with self._guard("get", job_id), self._reader.connect() as conn:
             return self._select_record(conn, job_id)
 
-    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord]:
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
         """Pages of RECORDS_PAGE_SIZE rows by job_id, each its own query."""
         t = self.table
         after: str | None = None
@@ -811,29 +1028,63 @@ class SqlStore(LeaseStore):
             if after is not None:
                 query = query.where(t.c.job_id > after)
             with self._guard("records"), self._reader.connect() as conn:
-                page = [_record(row._mapping) for row in conn.execute(query)]
-            yield from page
-            if len(page) < RECORDS_PAGE_SIZE:
+                rows = [row._mapping for row in conn.execute(query)]
+            for row in rows:
+                yield self._readable(row)
+            if len(rows) < RECORDS_PAGE_SIZE:
                 return
-            after = page[-1].job_id
+            after = rows[-1]["job_id"]
 
-    def _purge_completed(self, older_than_ms: int) -> int:
-        with self._guard("purge_completed"), self._writer.begin() as conn:
+    def _purge(self, older_than_ms: int) -> int:
+        with self._guard("purge"), self._writer.begin() as conn:
             result = conn.execute(self._statements.purge, {"p_older_than_ms": older_than_ms})
             return int(result.rowcount)
 
 
-def _record(row: RowMapping) -> LeaseRecord:
-    return LeaseRecord(
-        job_id=row["job_id"],
-        owner=row["owner"],
-        generation=int(row["generation"]),
-        lease_until_ms=int(row["lease_until"]),
-        state=LeaseState(row["state"]),
-        task_name=row["task_name"],
-        claimed_at_ms=row["claimed_at"],
-        renewed_at_ms=row["renewed_at"],
-        completed_at_ms=row["completed_at"],
-        renew_count=int(row["renew_count"]),
-        takeovers=int(row["takeovers"]),
-    )
+def _record(row: RowMapping, where: str) -> LeaseRecord:
+    """The record in ``row``.
+
+    Raises:
+        LeaseRecordUnreadable: a column holds what the store never writes.
+    """
+    job_id = str(row["job_id"])
+    try:
+        outcome = row["outcome"]
+        return LeaseRecord(
+            job_id=job_id,
+            owner=_text(row, "owner"),
+            generation=_whole(row, "generation"),
+            lease_until_ms=_whole(row, "lease_until"),
+            state=LeaseState(row["state"]),
+            task_name=_text(row, "task_name"),
+            claimed_at_ms=_optional_whole(row, "claimed_at"),
+            renewed_at_ms=_optional_whole(row, "renewed_at"),
+            completed_at_ms=_optional_whole(row, "completed_at"),
+            renew_count=_whole(row, "renew_count"),
+            takeovers=_whole(row, "takeovers"),
+            send_id=_text(row, "send_id"),
+            outcome=None if outcome is None else bytes(outcome),
+            released_at_ms=_optional_whole(row, "released_at"),
+            released_by=_text(row, "released_by"),
+            release_reason=_text(row, "release_reason"),
+        )
+    except (ValueError, TypeError) as error:
+        raise unreadable(job_id, where, str(error)) from error
+
+
+def _whole(row: RowMapping, name: str) -> int:
+    value = row[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} is {value!r}, not a whole number")
+    return value
+
+
+def _optional_whole(row: RowMapping, name: str) -> int | None:
+    return None if row[name] is None else _whole(row, name)
+
+
+def _text(row: RowMapping, name: str) -> str:
+    value = row[name]
+    if not isinstance(value, str):
+        raise ValueError(f"{name} is {value!r}, not text")
+    return value

@@ -304,13 +304,23 @@ def test_renew_many_of_many_leases(store: LeaseStore) -> None:
 # --- complete and release --------------------------------------------------
 
 
-def test_second_completion_is_refused(store: LeaseStore) -> None:
+def test_completing_again_with_the_same_owner_and_generation_is_completed(
+    store: LeaseStore,
+) -> None:
+    # the first reply may have been lost: the record says the run completed
     first = acquire(store)
     assert store.complete(JOB, A, first.generation) == Completed(JOB, first.generation)
-    again = store.complete(JOB, A, first.generation)
-    assert isinstance(again, Refusal)
-    assert again.reason is RefusalReason.COMPLETED
-    assert again.current_generation == first.generation
+    assert store.complete(JOB, A, first.generation) == Completed(JOB, first.generation)
+
+
+def test_completion_by_another_owner_after_completion_is_refused(store: LeaseStore) -> None:
+    first = acquire(store)
+    store.complete(JOB, A, first.generation)
+    for owner, generation in ((B, first.generation), (A, first.generation - 1)):
+        again = store.complete(JOB, owner, generation)
+        assert isinstance(again, Refusal)
+        assert again.reason is RefusalReason.COMPLETED
+        assert again.current_generation == first.generation
 
 
 def test_completed_job_is_not_claimed_again(store: LeaseStore) -> None:

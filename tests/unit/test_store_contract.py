@@ -201,10 +201,17 @@ def test_renew_many_of_nothing_is_an_empty_list(store: MemoryStore) -> None:
 # --- complete and release --------------------------------------------------
 
 
-def test_second_completion_is_refused(store: MemoryStore) -> None:
+def test_second_completion_by_the_same_run_is_completed(store: MemoryStore) -> None:
+    # protocol rule 6: the record says this owner and generation completed it
     first = acquire(store)
     assert store.complete(JOB, A, first.generation) == Completed(JOB, first.generation)
-    again = store.complete(JOB, A, first.generation)
+    assert store.complete(JOB, A, first.generation) == Completed(JOB, first.generation)
+
+
+def test_second_completion_by_another_run_is_refused(store: MemoryStore) -> None:
+    first = acquire(store)
+    store.complete(JOB, A, first.generation)
+    again = store.complete(JOB, B, first.generation)
     assert isinstance(again, Refusal)
     assert again.reason is RefusalReason.COMPLETED
     assert again.current_generation == first.generation
@@ -249,11 +256,11 @@ def test_release_by_stale_owner_is_refused(store: MemoryStore, clock: ManualCloc
 def test_refusal_error_is_a_lease_lost_with_the_details(store: MemoryStore) -> None:
     first = acquire(store)
     store.complete(JOB, A, first.generation)
-    refusal = store.complete(JOB, A, first.generation)
+    refusal = store.complete(JOB, B, first.generation)
     assert isinstance(refusal, Refusal)
     error = refusal.error("complete")
     assert isinstance(error, LeaseLost)
-    assert (error.job_id, error.owner, error.generation) == (JOB, A, first.generation)
+    assert (error.job_id, error.owner, error.generation) == (JOB, B, first.generation)
     assert error.reason == "completed"
     assert JOB in str(error)
 
@@ -300,7 +307,7 @@ def test_claim_records_the_task_name(store: MemoryStore, clock: ManualClock) -> 
 # --- purge_completed -------------------------------------------------------
 
 
-def test_purge_deletes_only_completed_records_past_the_retention(
+def test_purge_deletes_completed_and_released_records_past_the_retention(
     store: MemoryStore, clock: ManualClock
 ) -> None:
     old = acquire(store, job_id="old")
@@ -311,10 +318,21 @@ def test_purge_deletes_only_completed_records_past_the_retention(
     clock.advance(100)
     young = acquire(store, job_id="young")
     store.complete("young", A, young.generation)
+    young_release = acquire(store, job_id="young-release")
+    store.release("young-release", A, young_release.generation)
 
-    assert store.purge_completed(90) == 1
+    assert store.purge(90) == 2
     assert store.get("old") is None
-    assert {r.job_id for r in store.records()} == {"still-held", "released", "young"}
+    assert store.get("released") is None
+    assert {r.job_id for r in store.records()} == {"still-held", "young", "young-release"}
+
+
+def test_purge_completed_is_purge(store: MemoryStore, clock: ManualClock) -> None:
+    released = acquire(store, job_id="released")
+    store.release("released", A, released.generation)
+    clock.advance(100)
+    assert store.purge_completed(90) == 1
+    assert store.get("released") is None
 
 
 def test_purge_keeps_a_record_whose_generation_is_not_below_the_clock(
