@@ -122,13 +122,16 @@ def record_to_dict(record: LeaseRecord, store_now_ms: int) -> dict[str, Any]:
         "renew_count": record.renew_count,
         "takeovers": record.takeovers,
     }
-    # written by a forced release (``celery leases release``)
-    for name in ("released_by", "release_reason"):
-        if getattr(record, name, None) is not None:
-            data[name] = getattr(record, name)
-    released_at = getattr(record, "released_at_ms", None)
-    if released_at is not None:
-        data["released_at"] = iso(released_at)
+    if record.send_id:
+        data["send_id"] = record.send_id
+    if record.outcome is not None:
+        # the encoded result may hold anything: show its size only
+        data["outcome_bytes"] = len(record.outcome)
+    if record.released_at_ms is not None:
+        data["released_at"] = iso(record.released_at_ms)
+        # empty when the holder released it itself
+        data["released_by"] = record.released_by
+        data["release_reason"] = record.release_reason
     return data
 
 
@@ -335,11 +338,8 @@ def release_command(
         )
     who = released_by or _operator()
     with _store(ctx) as store:
-        force_release = getattr(store, "force_release", None)
-        if force_release is None:
-            _fail(ctx, EXIT_CONFIGURATION, f"the store {store.url} cannot release by force")
         try:
-            record = force_release(job_id, by=who, reason=reason)
+            record = store.force_release(job_id, by=who, reason=reason)
         except LeaseConfigurationError:
             # the store refuses a job it has no record of, or a completed one
             current = store.get(job_id)

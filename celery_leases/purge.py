@@ -34,17 +34,13 @@ BEAT_ENTRY_NAME = "celery-leases-purge"
 def purge_records(store: LeaseStore, older_than: float) -> int:
     """Delete finished records older than ``older_than`` seconds; return how many.
 
-    Uses the store's ``purge`` (completed and released records) when it has
-    one, else ``purge_completed``. Held records are never deleted.
+    Completed and released records are deleted; held records never are.
 
     Raises:
         LeaseConfigurationError: ``older_than`` is below the store's minimum.
         StoreUnavailable: the store could not be reached.
     """
-    purge = getattr(store, "purge", None)
-    if callable(purge):
-        return int(purge(older_than))
-    return store.purge_completed(older_than)
+    return store.purge(older_than)
 
 
 def _check_seconds(name: str, value: object, minimum: float) -> float:

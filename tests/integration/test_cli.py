@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,8 +18,13 @@ from typing import Any
 
 import pytest
 
-from celery_leases import LeaseStore, open_store
-from celery_leases.cli import EXIT_CONFIGURATION, EXIT_NOT_FOUND, EXIT_UNAVAILABLE
+from celery_leases import LeaseState, LeaseStore, Refusal, open_store
+from celery_leases.cli import (
+    EXIT_CONFIGURATION,
+    EXIT_NOT_FOUND,
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+)
 from tests.integration.test_conformance import backdate_completion, wait_for_store_clock
 from tests.servers import PostgresServer, RedisServer, free_port
 
@@ -126,7 +132,8 @@ def test_show_prints_every_field_of_one_record(target: tuple[Cli, LeaseStore]) -
     assert 0 < shown["remaining"] <= 60
     text = cli("show", "shown")
     assert text.returncode == 0
-    assert f"generation    {generation}" in text.stdout
+    assert re.search(rf"^generation +{generation}$", text.stdout, re.MULTILINE)
+    assert "released_by" not in text.stdout  # only after a release
 
 
 def test_show_of_an_unknown_job_exits_3(target: tuple[Cli, LeaseStore]) -> None:
@@ -178,9 +185,6 @@ def test_release_needs_force(target: tuple[Cli, LeaseStore]) -> None:
     assert record.owner == OWNER
 
 
-@pytest.mark.skipif(
-    not hasattr(LeaseStore, "force_release"), reason="the stores have no force_release yet"
-)
 def test_forced_release_fences_out_the_holder_and_keeps_who_and_why(
     target: tuple[Cli, LeaseStore],
 ) -> None:
@@ -191,21 +195,41 @@ def test_forced_release_fences_out_the_holder_and_keeps_who_and_why(
     assert released["generation"] == generation + 1
     assert (released["released_by"], released["release_reason"]) == ("ops", "host lost")
     # the old holder is fenced out; a new claim takes a newer generation
-    assert store.complete("stuck", OWNER, generation).__class__.__name__ == "Refusal"
+    assert isinstance(store.complete("stuck", OWNER, generation), Refusal)
+    record = store.get("stuck")
+    assert record is not None
+    assert record.released_at_ms is not None
+    shown = cli("show", "stuck").stdout
+    assert re.search(r"^released_by +ops$", shown, re.MULTILINE)
     assert _claim(store, "stuck") > generation + 1
 
 
 def test_release_of_an_unknown_job_exits_3(target: tuple[Cli, LeaseStore]) -> None:
     cli, _ = target
     result = cli("release", "nobody", "--force", "--reason", "x")
-    assert result.returncode in (EXIT_NOT_FOUND, EXIT_CONFIGURATION)
+    assert result.returncode == EXIT_NOT_FOUND, result.stderr
+    assert "no lease record for job 'nobody'" in result.stderr
+
+
+def test_release_of_a_completed_job_is_refused(target: tuple[Cli, LeaseStore]) -> None:
+    cli, store = target
+    generation = _claim(store, "finished")
+    store.complete("finished", OWNER, generation)
+    result = cli("release", "finished", "--force", "--reason", "x")
+    assert result.returncode == EXIT_REFUSED, result.stderr
+    assert "is completed" in result.stderr
+    record = store.get("finished")
+    assert record is not None
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
 
 
 def test_init_db_creates_the_sql_table(postgres_server: PostgresServer, unique: str) -> None:
     options = {"table_name": f"init_{unique}", "create_table": False}
     cli = Cli(postgres_server.url, options)
     before = cli("ls")
-    assert before.returncode == EXIT_UNAVAILABLE  # no table yet, and ls does not make one
+    # no table yet, and ls does not make one
+    assert before.returncode == EXIT_CONFIGURATION, before.stderr
+    assert f"init_{unique}" in before.stderr
     result = cli("init-db")
     assert result.returncode == 0, result.stderr
     assert f"lease table 'init_{unique}' is ready" in result.stdout
