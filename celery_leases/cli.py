@@ -165,7 +165,11 @@ def _errors(ctx: click.Context, url: str) -> Iterator[None]:
     except StoreUnavailable as exc:
         _fail(ctx, EXIT_UNAVAILABLE, scrub(str(exc), url))
     except LeaseConfigurationError as exc:
-        _fail(ctx, EXIT_CONFIGURATION, scrub(str(exc), url))
+        message = scrub(str(exc), url)
+        sql = url.split("://", 1)[0].lower() in _SQL_SCHEMES
+        if sql and "table" in message and "init-db" not in ctx.command_path:
+            message += " A new database needs its table first: celery leases init-db."
+        _fail(ctx, EXIT_CONFIGURATION, message)
 
 
 @contextlib.contextmanager
@@ -265,6 +269,9 @@ def ls_command(
                 "records": page,
             }
         )
+        return
+    if not records:
+        click.echo("no lease records")
         return
     for row in page:
         row["host_pid"] = ":".join(row["owner"].split(":")[:2])

@@ -230,11 +230,13 @@ def test_init_db_creates_the_sql_table(postgres_server: PostgresServer, unique: 
     # no table yet, and ls does not make one
     assert before.returncode == EXIT_CONFIGURATION, before.stderr
     assert f"init_{unique}" in before.stderr
+    assert "celery leases init-db" in before.stderr
     result = cli("init-db")
     assert result.returncode == 0, result.stderr
     assert f"lease table 'init_{unique}' is ready" in result.stdout
     assert cli("init-db").returncode == 0  # again: nothing to do
     assert cli.json("ls")["total"] == 0
+    assert cli("ls").stdout == "no lease records\n"
 
 
 def test_an_unreachable_store_exits_4_and_never_shows_the_password() -> None:
