@@ -49,6 +49,11 @@ def run_checks(app: Any) -> list[Check]:
     report.append(
         Check("settings", "ok", f"store {_scheme(settings.store_url)}://, ttl {settings.ttl:g} s")
     )
+    if _is_sql(settings.store_url):
+        # the worker's start checks would create a missing table; a check must not
+        options = {**dict(settings.store_options), "create_table": False}
+        app.conf.leases_store_options = options
+        forget_runtime(app)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report.extend(_store_checks(settings.store_url, dict(settings.store_options)))
@@ -75,9 +80,13 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0]
 
 
+def _is_sql(url: str) -> bool:
+    return _scheme(url).lower().startswith(("postgresql", "sqlite"))
+
+
 def _store_checks(url: str, options: dict[str, Any]) -> list[Check]:
-    if _scheme(url).lower().startswith(("postgresql", "sqlite")):
-        options.setdefault("create_table", False)
+    if _is_sql(url):
+        options["create_table"] = False
     try:
         store = open_store(url, **options)
     except LeaseConfigurationError as exc:
@@ -92,6 +101,16 @@ def _store_checks(url: str, options: dict[str, Any]) -> list[Check]:
             next(iter(store.records(limit=1)), None)
         except StoreUnavailable as exc:
             return [Check("store", "error", str(exc), exit_code=4)]
+        except LeaseConfigurationError as exc:
+            # reached, but refused: rights, or a SQL table not made yet
+            return [
+                Check(
+                    "store",
+                    "error",
+                    f"{exc} (a new SQL database: celery leases init-db)",
+                    exit_code=5,
+                )
+            ]
         after = time.time()
     finally:
         store.close()

@@ -303,3 +303,15 @@ def test_check_of_invalid_settings_exits_5() -> None:
     result = Cli("memory://", {}, LEASES_TEST_TTL="-1")("check", "--json")
     assert result.returncode == EXIT_CONFIGURATION
     assert _checks(result) == [("settings", "error")]
+
+
+def test_check_of_a_database_without_the_table_exits_5_and_makes_none(
+    postgres_server: PostgresServer, unique: str
+) -> None:
+    table = f"chk_{unique}"
+    cli = Cli(postgres_server.url, {"table_name": table})
+    result = cli("check", "--json")
+    assert result.returncode == EXIT_CONFIGURATION, result.stdout + result.stderr
+    assert ("store", "error") in _checks(result)
+    assert "celery leases init-db" in result.stdout
+    assert cli("ls").returncode == EXIT_CONFIGURATION  # still no table
