@@ -21,19 +21,18 @@ from __future__ import annotations
 import contextlib
 import getpass
 import json
-import re
 import socket
 import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, NoReturn
-from urllib.parse import quote, unquote, urlsplit
 
 import click
 from celery.bin.base import CeleryCommand
 
 from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery inspect leases`
 from celery_leases.checks import run_checks
+from celery_leases.display import parse_duration, record_to_dict, scrub, short_time, table
 from celery_leases.errors import (
     LeaseConfigurationError,
     LeaseStoreWarning,
@@ -41,7 +40,7 @@ from celery_leases.errors import (
 )
 from celery_leases.purge import purge_records
 from celery_leases.stores import LeaseStore, open_store
-from celery_leases.stores.base import LeaseRecord, LeaseState, ms_to_datetime
+from celery_leases.stores.base import LeaseState, ms_to_datetime
 
 __all__ = [
     "EXIT_CONFIGURATION",
@@ -50,8 +49,6 @@ __all__ = [
     "EXIT_REFUSED",
     "EXIT_UNAVAILABLE",
     "leases",
-    "parse_duration",
-    "record_to_dict",
 ]
 
 EXIT_PROBLEMS = 1
@@ -61,7 +58,6 @@ EXIT_CONFIGURATION = 5
 EXIT_REFUSED = 6
 
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SORT_KEYS = {
     "job": lambda r: r.job_id,
     "lease-until": lambda r: r.lease_until_ms,
@@ -70,69 +66,6 @@ _SORT_KEYS = {
     "task": lambda r: (r.task_name, r.job_id),
     "state": lambda r: (r.state.value, r.job_id),
 }
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``text``: a number with an optional unit s, m, h, d or w.
-
-    Raises:
-        click.BadParameter: ``text`` is not such a duration.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
-    if match is None:
-        raise click.BadParameter(f"{text!r} is not a duration; use e.g. 3600, 90m, 12h or 7d")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def scrub(text: str, url: str) -> str:
-    """``text`` with the password of ``url`` (plain or quoted) replaced by ``***``."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    for name, value in re.findall(r"(?i)[?&](password)=([^&#]+)", url):
-        del name
-        text = text.replace(value, "***")
-    if password:
-        plain = unquote(password)
-        for form in sorted({password, plain, quote(plain, safe="")}, key=len, reverse=True):
-            text = text.replace(form, "***")
-    return text
-
-
-def record_to_dict(record: LeaseRecord, store_now_ms: int) -> dict[str, Any]:
-    """A JSON-ready view of ``record``; times are ISO 8601 UTC on the store's clock."""
-
-    def iso(ms: int | None) -> str | None:
-        return None if ms is None else ms_to_datetime(ms).isoformat()
-
-    live = record.is_live(store_now_ms)
-    data: dict[str, Any] = {
-        "job_id": record.job_id,
-        "state": record.state.value,
-        "task_name": record.task_name,
-        "owner": record.owner,
-        "generation": record.generation,
-        "lease_until": iso(record.lease_until_ms),
-        "expired": record.state is LeaseState.HELD and not live,
-        "remaining": round((record.lease_until_ms - store_now_ms) / 1000, 3) if live else 0.0,
-        "claimed_at": iso(record.claimed_at_ms),
-        "renewed_at": iso(record.renewed_at_ms),
-        "completed_at": iso(record.completed_at_ms),
-        "renew_count": record.renew_count,
-        "takeovers": record.takeovers,
-    }
-    if record.send_id:
-        data["send_id"] = record.send_id
-    if record.outcome is not None:
-        # the encoded result may hold anything: show its size only
-        data["outcome_bytes"] = len(record.outcome)
-    if record.released_at_ms is not None:
-        data["released_at"] = iso(record.released_at_ms)
-        # empty when the holder released it itself
-        data["released_by"] = record.released_by
-        data["release_reason"] = record.release_reason
-    return data
 
 
 # --- plumbing ----------------------------------------------------------------
@@ -198,21 +131,6 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-    """Rows as left-aligned text columns under a header."""
-    cells = [[title for _, title in columns]]
-    cells += [["" if row.get(key) is None else str(row[key]) for key, _ in columns] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in cells
-    )
-
-
-def _short_time(iso: str | None) -> str:
-    return "" if iso is None else iso[:19].replace("T", " ")
-
-
 # --- the commands --------------------------------------------------------------
 
 
@@ -275,12 +193,12 @@ def ls_command(
         return
     for row in page:
         row["host_pid"] = ":".join(row["owner"].split(":")[:2])
-        row["lease_until"] = _short_time(row["lease_until"])
+        row["lease_until"] = short_time(row["lease_until"])
         row["remaining"] = f"{row['remaining']:.1f}s" if row["state"] == "held" else ""
         if row["expired"]:
             row["remaining"] = "expired"
     click.echo(
-        _table(
+        table(
             page,
             [
                 ("job_id", "JOB"),
@@ -402,8 +320,8 @@ def init_db_command(ctx: click.Context) -> None:
             return
         from celery_leases.stores.sql import create_table
 
-        table = create_table(engine, store.table.name)  # type: ignore[attr-defined]
-        click.echo(f"lease table {table.name!r} is ready in {store.url}")
+        made = create_table(engine, store.table.name)  # type: ignore[attr-defined]
+        click.echo(f"lease table {made.name!r} is ready in {store.url}")
 
 
 @leases.command(name="check", cls=CeleryCommand)
@@ -422,7 +340,7 @@ def check_command(ctx: click.Context, as_json: bool) -> None:
     else:
         for row in results:
             row["status"] = row["status"].upper()
-        click.echo(_table(results, [("status", "STATUS"), ("check", "CHECK"), ("detail", "")]))
+        click.echo(table(results, [("status", "STATUS"), ("check", "CHECK"), ("detail", "")]))
     statuses = {c.status for c in report}
     if "error" in statuses:
         worst = max((c.exit_code for c in report if c.status == "error"), default=EXIT_PROBLEMS)

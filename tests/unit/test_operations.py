@@ -14,7 +14,7 @@ from celery import Celery
 from prometheus_client import REGISTRY
 
 from celery_leases import LeaseConfigurationError, LeaseTiming, signals
-from celery_leases.cli import parse_duration, scrub
+from celery_leases.display import parse_duration, scrub
 from celery_leases.lease import Lease
 from celery_leases.metrics import install_metrics
 from celery_leases.purge import BEAT_ENTRY_NAME, PURGE_TASK_NAME, schedule_purge
