@@ -53,6 +53,7 @@ def held_leases(state: Any) -> list[dict[str, Any]]:
         rows.append(
             {
                 "job_id": lease.job_id,
+                "task_id": getattr(lease, "task_id", None),
                 "task_name": lease.task_name,
                 "generation": lease.generation,
                 "pid": os.getpid(),
@@ -83,6 +84,7 @@ def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
     return [
         {
             "job_id": record.job_id,
+            "task_id": None,  # a pool child knows it; the store does not
             "task_name": record.task_name,
             "generation": record.generation,
             "pid": pid,
