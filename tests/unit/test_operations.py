@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 import pytest
-from celery import Celery
+from celery import Celery, beat
 from prometheus_client import REGISTRY
 
 from celery_leases import LeaseConfigurationError, LeaseTiming, signals
@@ -170,3 +170,16 @@ def test_without_prometheus_client_metrics_say_what_to_install(
     with pytest.raises(LeaseConfigurationError, match=r"pip install 'celery-leases\[metrics\]'"):
         install_metrics(app)
     install_metrics(app, required=False)  # off, quietly, for a call made on every app
+
+
+def test_beat_reads_the_purge_entry_as_an_hourly_interval() -> None:
+    app = Celery("purge-beat-test", set_as_current=False)
+    schedule_purge(app, every=3600, older_than=86400)
+    scheduler = beat.Scheduler(app=app, lazy=True)
+    scheduler.merge_inplace(app.conf.beat_schedule)
+    entry = scheduler.schedule[BEAT_ENTRY_NAME]
+    assert (entry.task, entry.args) == (PURGE_TASK_NAME, (86400.0,))
+    assert entry.schedule.run_every == timedelta(hours=1)
+    due, next_check = entry.is_due()
+    assert not due  # a fresh entry runs one period after beat starts
+    assert 0 < next_check <= 3600
