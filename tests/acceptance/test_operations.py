@@ -54,8 +54,9 @@ def _inspect(cluster: Cluster, worker: Worker) -> list[dict[str, Any]]:
 def test_inspect_leases_lists_what_each_worker_holds(
     cluster: Cluster, pool: str, concurrency: int
 ) -> None:
+    cluster.configure(ttl=10.0)  # a loaded machine must not make a renewal late
     worker = _worker(cluster, "insp", pool, concurrency)
-    results = [cluster.send(STEPS, 8.0) for _ in range(2)]
+    results = [cluster.send(STEPS, 6.0) for _ in range(2)]
     for result in results:
         cluster.side.wait_event(result.id, "start", timeout=30)
 
