@@ -22,6 +22,7 @@ from celery_leases import (
     Completed,
     HeldElsewhere,
     LeaseError,
+    LeaseRecordUnreadable,
     LeaseState,
     RefusalReason,
     Released,
@@ -49,6 +50,7 @@ RECORD_FIELDS = {
     "completed_at",
     "renew_count",
     "takeovers",
+    "send_id",
 }
 
 
@@ -269,7 +271,12 @@ def test_first_claim_writes_the_record_once_and_deletes_nothing(
     assert isinstance(first, Acquired)
     after = commandstats(raw)
     calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    assert (calls["cmdstat_hmget"], calls["cmdstat_hset"]) == (1, 1)
+    # one TYPE finds no record; nothing else is read
+    assert (calls["cmdstat_type"], calls.get("cmdstat_hmget", 0), calls["cmdstat_hset"]) == (
+        1,
+        0,
+        1,
+    )
     assert calls.get("cmdstat_hdel", 0) == 0
 
     # a claim over an old record clears the previous holder's times
@@ -485,11 +492,11 @@ def test_every_operation_raises_store_unavailable_when_redis_is_down(
         assert isinstance(store.renew("job-a", "worker-a", held.generation, 60), Renewed)
 
 
-def test_unreadable_record_raises_store_unavailable(
+def test_unreadable_record_raises_unreadable_not_unavailable(
     redis_store: RedisStore, raw: redis.Redis
 ) -> None:
     raw.hset(redis_store.key("job-a"), mapping={"generation": "12", "state": "paused"})
-    with pytest.raises(StoreUnavailable, match="cannot read during get of job 'job-a'"):
+    with pytest.raises(LeaseRecordUnreadable, match=r"job 'job-a'.* is unreadable"):
         redis_store.get("job-a")
 
 

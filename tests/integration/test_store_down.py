@@ -164,3 +164,131 @@ def test_sqlite_locked_past_the_busy_timeout_is_unavailable_then_recovers(
             blocker.execute("ROLLBACK")
             blocker.close()
         assert_works_again(store, held, released)
+
+
+# --- permanent refusals are not outages ----------------------------------------
+#
+# Wrong credentials, missing rights or a missing database do not go away by
+# trying again: they are LeaseConfigurationError at once, with a message that
+# says what to check and never holds the password.
+
+SECRET = "s3cret-Pa55word"
+WRONG = "wr0ng-Pa55word"
+
+
+def assert_all_misconfigured(store: LeaseStore, *secrets: str, table_only: bool = False) -> None:
+    for name, call in every_operation(store, JOB, A, 12345, TTL).items():
+        if table_only and name == "now_ms":
+            continue  # reads the clock, not the table
+        with pytest.raises(LeaseConfigurationError) as info:
+            call()
+        assert not isinstance(info.value, StoreUnavailable), name
+        assert info.value.__cause__ is not None, name
+        for secret in secrets:
+            assert secret not in str(info.value), f"{name}: the message shows a password"
+
+
+@pytest.fixture
+def redis_with_password() -> Iterator[RedisServer]:
+    """A redis-server that requires a password (and knows an ACL user)."""
+    yield from serve(lambda: RedisServer("--requirepass", SECRET))
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("credentials", ["", f":{WRONG}@"], ids=["no password", "wrong"])
+def test_redis_refusing_the_credentials_is_a_configuration_error(
+    redis_with_password: RedisServer, unique: str, credentials: str
+) -> None:
+    url = f"redis://{credentials}127.0.0.1:{redis_with_password.port}/0"
+    with open_store(url, prefix=f"auth{unique}:") as store:
+        assert_all_misconfigured(store, WRONG, SECRET)
+    with (
+        open_store(url, prefix=f"auth{unique}:") as store,
+        pytest.raises(LeaseConfigurationError, match="password in the store URL"),
+    ):
+        store.claim(JOB, A, TTL)
+
+
+@pytest.mark.redis
+def test_redis_user_without_the_rights_is_a_configuration_error(
+    redis_with_password: RedisServer, unique: str
+) -> None:
+    port = redis_with_password.port
+    with open_store(f"redis://:{SECRET}@127.0.0.1:{port}/0", prefix=f"acl{unique}:") as admin:
+        admin._client.execute_command(  # type: ignore[attr-defined]
+            "ACL", "SETUSER", "reader", "on", f">{WRONG}", "~*", "+@read", "+ping"
+        )
+        held = admin.claim(JOB, A, TTL)
+        assert isinstance(held, Acquired)
+    url = f"redis://reader:{WRONG}@127.0.0.1:{port}/0"
+    with open_store(url, prefix=f"acl{unique}:") as store:
+        with pytest.raises(LeaseConfigurationError, match="NoPermissionError") as info:
+            store.claim(JOB, B, TTL)
+        assert WRONG not in str(info.value)
+    with open_store(f"redis://:{SECRET}@127.0.0.1:{port}/0", prefix=f"acl{unique}:") as admin:
+        # the job was left as it was
+        assert isinstance(admin.renew(JOB, A, held.generation, TTL), Renewed)
+
+
+@pytest.mark.redis
+def test_redis_with_the_right_password_works(redis_with_password: RedisServer) -> None:
+    url = f"redis://:{SECRET}@127.0.0.1:{redis_with_password.port}/0"
+    with open_store(url) as store:
+        assert isinstance(store.claim(JOB, A, TTL), Acquired)
+        assert SECRET not in store.url
+
+
+@pytest.mark.postgres
+def test_postgres_role_without_rights_is_a_configuration_error(
+    own_postgres: PostgresServer, unique: str
+) -> None:
+    table = f"leases_{unique}"
+    with open_store(own_postgres.url, table_name=table) as admin:
+        assert isinstance(admin.claim(JOB, A, TTL), Acquired)
+        with admin.engine.begin() as conn:  # type: ignore[attr-defined]
+            conn.exec_driver_sql(f"CREATE ROLE lowly_{unique} LOGIN")
+    url = own_postgres.url.replace("postgres@", f"lowly_{unique}@", 1)
+    with open_store(url, table_name=table, create_table=False) as store:
+        assert_all_misconfigured(store, table_only=True)
+        with pytest.raises(LeaseConfigurationError, match="permission denied"):
+            store.claim(JOB, B, TTL)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("what", ["database", "role"])
+def test_postgres_missing_database_or_role_is_a_configuration_error(
+    own_postgres: PostgresServer, what: str
+) -> None:
+    url = own_postgres.url
+    url = (
+        url.rsplit("/", 1)[0] + "/no_such_db"
+        if what == "database"
+        else url.replace("postgres@", "no_such_role@", 1)
+    )
+    with pytest.raises(LeaseConfigurationError, match="does not exist"):
+        open_store(url)
+    with open_store(url, create_table=False) as store:
+        assert_all_misconfigured(store)
+
+
+@pytest.mark.postgres
+def test_postgres_wrong_password_is_a_configuration_error(own_postgres: PostgresServer) -> None:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(own_postgres.url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"ALTER ROLE postgres PASSWORD '{SECRET}'")
+    engine.dispose()
+    hba = own_postgres.data / "pg_hba.conf"
+    hba.write_text(
+        "local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n", encoding="utf-8"
+    )
+    own_postgres.restart()
+    wrong = own_postgres.url.replace("postgres@", f"postgres:{WRONG}@", 1)
+    with pytest.raises(LeaseConfigurationError, match="password authentication failed") as info:
+        open_store(wrong)
+    assert WRONG not in str(info.value)
+    right = own_postgres.url.replace("postgres@", f"postgres:{SECRET}@", 1)
+    with open_store(right) as store:
+        assert isinstance(store.claim(JOB, A, TTL), Acquired)
+        assert SECRET not in str(store.url)
