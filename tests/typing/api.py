@@ -15,6 +15,8 @@ from celery_leases import (
     TakeoverLimitExceeded,
     install,
 )
+from celery_leases.metrics import install_metrics
+from celery_leases.purge import schedule_purge
 from celery_leases.signals import lease_lost
 
 app = Celery("typing")
@@ -59,3 +61,8 @@ lease_lost.connect(on_lost)
 
 def limit(error: TakeoverLimitExceeded) -> int:
     return error.takeovers - error.limit
+
+
+# operator tools
+purge_entry: dict[str, object] = schedule_purge(app, every=3600, older_than=7 * 86400)
+install_metrics(app, required=False)

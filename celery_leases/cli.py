@@ -1,0 +1,349 @@
+"""The ``celery leases`` command: list, show, release and purge lease records.
+
+Celery loads this group from the ``celery.commands`` entry point, so it runs
+with the app of ``celery -A proj`` and its ``leases_*`` settings::
+
+    celery -A proj leases ls --state held --expired
+    celery -A proj leases show JOB_ID --json
+    celery -A proj leases release JOB_ID --force --reason "stuck on host-3"
+    celery -A proj leases purge --older-than 7d
+    celery -A proj leases init-db
+    celery -A proj leases check
+
+Exit status: 0 success; 1 ``check`` found problems; 2 usage error; 3 no such
+job; 4 the store could not be reached; 5 the configuration is wrong; 6 the
+store refused (a completed job is not released). No
+command prints a password of the store URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import socket
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import click
+from celery.bin.base import CeleryCommand
+
+from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery inspect leases`
+from celery_leases.checks import run_checks
+from celery_leases.display import parse_duration, record_to_dict, scrub, short_time, table
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseStoreWarning,
+    StoreUnavailable,
+)
+from celery_leases.purge import purge_records
+from celery_leases.stores import LeaseStore, open_store
+from celery_leases.stores.base import LeaseState, ms_to_datetime
+
+__all__ = [
+    "EXIT_CONFIGURATION",
+    "EXIT_NOT_FOUND",
+    "EXIT_PROBLEMS",
+    "EXIT_REFUSED",
+    "EXIT_UNAVAILABLE",
+    "leases",
+]
+
+EXIT_PROBLEMS = 1
+EXIT_NOT_FOUND = 3
+EXIT_UNAVAILABLE = 4
+EXIT_CONFIGURATION = 5
+EXIT_REFUSED = 6
+
+_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
+_SORT_KEYS = {
+    "job": lambda r: r.job_id,
+    "lease-until": lambda r: r.lease_until_ms,
+    "generation": lambda r: r.generation,
+    "claimed": lambda r: r.claimed_at_ms or 0,
+    "task": lambda r: (r.task_name, r.job_id),
+    "state": lambda r: (r.state.value, r.job_id),
+}
+
+
+# --- plumbing ----------------------------------------------------------------
+
+
+def _fail(ctx: click.Context, code: int, message: str) -> NoReturn:
+    click.echo(f"Error: {message}", err=True)
+    ctx.exit(code)
+    raise AssertionError("unreachable")  # ctx.exit raises
+
+
+def _operator() -> str:
+    """``user@host`` of whoever runs the command, for the record."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (containers)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _app(ctx: click.Context) -> Any:
+    return ctx.find_root().obj.app
+
+
+@contextlib.contextmanager
+def _errors(ctx: click.Context, url: str) -> Iterator[None]:
+    """Turn lease errors into an exit status and a message without secrets."""
+    try:
+        yield
+    except StoreUnavailable as exc:
+        _fail(ctx, EXIT_UNAVAILABLE, scrub(str(exc), url))
+    except LeaseConfigurationError as exc:
+        message = scrub(str(exc), url)
+        sql = url.split("://", 1)[0].lower() in _SQL_SCHEMES
+        if sql and "table" in message and "init-db" not in ctx.command_path:
+            message += " A new database needs its table first: celery leases init-db."
+        _fail(ctx, EXIT_CONFIGURATION, message)
+
+
+@contextlib.contextmanager
+def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseStore]:
+    """Open the app's lease store; a SQL table is never made by accident."""
+    from celery_leases.task import settings_for
+
+    app = _app(ctx)
+    with _errors(ctx, str(app.conf.get("leases_store") or "")):
+        settings = settings_for(app)
+    url = settings.store_url
+    options = dict(settings.store_options)
+    if url.split("://", 1)[0].lower() in _SQL_SCHEMES:
+        options["create_table"] = create_table
+    # the server's settings are reported by `check`, not after every listing
+    with _errors(ctx, url), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeaseStoreWarning)
+        store = open_store(url, **options)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+# --- the commands --------------------------------------------------------------
+
+
+@click.group(name="leases")
+@click.pass_context
+def leases(ctx: click.Context) -> None:
+    """Inspect and manage the lease records of this app's lease store."""
+
+
+@leases.command(name="ls", cls=CeleryCommand)
+@click.option(
+    "--state",
+    type=click.Choice([s.value for s in LeaseState]),
+    help="Only records in this state.",
+)
+@click.option("--task", "task_name", help="Only records of this task name.")
+@click.option("--expired", is_flag=True, help="Only held records whose lease ran out.")
+@click.option("--sort", type=click.Choice(sorted(_SORT_KEYS)), default="job", show_default=True)
+@click.option("--reverse", is_flag=True, help="Sort in descending order.")
+@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True)
+@click.option("--offset", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def ls_command(
+    ctx: click.Context,
+    state: str | None,
+    task_name: str | None,
+    expired: bool,
+    sort: str,
+    reverse: bool,
+    limit: int,
+    offset: int,
+    as_json: bool,
+) -> None:
+    """List lease records (reads every record of the store to sort them)."""
+    wanted = LeaseState.HELD if expired else (LeaseState(state) if state else None)
+    if expired and state not in (None, LeaseState.HELD.value):
+        raise click.UsageError("--expired lists held records only; drop --state or use held")
+    with _store(ctx) as store:
+        records = list(store.records(state=wanted))
+        now = store.now_ms()
+    if task_name is not None:
+        records = [r for r in records if r.task_name == task_name]
+    if expired:
+        records = [r for r in records if not r.is_live(now)]
+    records.sort(key=_SORT_KEYS[sort], reverse=reverse)
+    page = [record_to_dict(r, now) for r in records[offset : offset + limit]]
+    if as_json:
+        _emit_json(
+            {
+                "store_time": ms_to_datetime(now).isoformat(),
+                "total": len(records),
+                "offset": offset,
+                "records": page,
+            }
+        )
+        return
+    if not records:
+        click.echo("no lease records")
+        return
+    for row in page:
+        row["host_pid"] = ":".join(row["owner"].split(":")[:2])
+        row["lease_until"] = short_time(row["lease_until"])
+        row["remaining"] = f"{row['remaining']:.1f}s" if row["state"] == "held" else ""
+        if row["expired"]:
+            row["remaining"] = "expired"
+    click.echo(
+        table(
+            page,
+            [
+                ("job_id", "JOB"),
+                ("state", "STATE"),
+                ("task_name", "TASK"),
+                ("generation", "GENERATION"),
+                ("host_pid", "HOLDER"),
+                ("lease_until", "LEASE UNTIL (UTC)"),
+                ("remaining", "LEFT"),
+            ],
+        )
+    )
+    shown = f"{offset + 1}-{offset + len(page)}" if page else "none"
+    click.echo(f"\n{shown} of {len(records)} records")
+
+
+@leases.command(name="show", cls=CeleryCommand)
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """Show every field of one job's record."""
+    with _store(ctx) as store:
+        record = store.get(job_id)
+        now = store.now_ms()
+    if record is None:
+        _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
+    data = record_to_dict(record, now)
+    if as_json:
+        _emit_json(data)
+        return
+    width = max(len(key) for key in data)
+    for key, value in data.items():
+        click.echo(f"{key.ljust(width)}  {'' if value is None else value}")
+
+
+@leases.command(name="release", cls=CeleryCommand)
+@click.argument("job_id")
+@click.option("--force", is_flag=True, help="Required: the job will be claimed and run again.")
+@click.option("--reason", required=True, help="Why, kept in the record.")
+@click.option("--by", "released_by", help="Who releases it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def release_command(
+    ctx: click.Context,
+    job_id: str,
+    force: bool,
+    reason: str,
+    released_by: str | None,
+    as_json: bool,
+) -> None:
+    """Take the lease away from its holder, so the job can be claimed again.
+
+    The generation moves on, so the old holder's renewals, completion and
+    fenced writes are refused; the job itself is not finished: a redelivery
+    or a deferred copy claims it and runs it again.
+    """
+    if not force:
+        raise click.UsageError(
+            "releasing a lease by hand lets the job run again while its old holder may "
+            "still be running (its fenced writes are refused); pass --force to do it"
+        )
+    who = released_by or _operator()
+    with _store(ctx) as store:
+        try:
+            record = store.force_release(job_id, by=who, reason=reason)
+        except LeaseConfigurationError:
+            # the store refuses a job it has no record of, or a completed one
+            current = store.get(job_id)
+            if current is None:
+                _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
+            if current.state is LeaseState.COMPLETED:
+                _fail(
+                    ctx,
+                    EXIT_REFUSED,
+                    f"job {job_id!r} is completed (generation {current.generation}); "
+                    "a completed job is not released",
+                )
+            raise
+        now = store.now_ms()
+    data = record_to_dict(record, now)
+    if as_json:
+        _emit_json(data)
+        return
+    click.echo(
+        f"released job {job_id!r}: generation is now {record.generation}; a holder with an "
+        "older generation is fenced out, and the job runs again when it is claimed"
+    )
+
+
+@leases.command(name="purge", cls=CeleryCommand)
+@click.option(
+    "--older-than",
+    "older_than",
+    required=True,
+    help="Age of finished records to delete: seconds, or with a unit (90m, 12h, 7d).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def purge_command(ctx: click.Context, older_than: str, as_json: bool) -> None:
+    """Delete finished records older than --older-than (never held ones)."""
+    seconds = parse_duration(older_than)
+    with _store(ctx) as store:
+        deleted = purge_records(store, seconds)
+    if as_json:
+        _emit_json({"deleted": deleted, "older_than": seconds})
+    else:
+        click.echo(f"deleted {deleted} records older than {seconds:g} s")
+
+
+@leases.command(name="init-db", cls=CeleryCommand)
+@click.pass_context
+def init_db_command(ctx: click.Context) -> None:
+    """Create the SQL lease table and its index (safe to run again)."""
+    with _store(ctx) as store:
+        engine = getattr(store, "engine", None)
+        if engine is None:
+            click.echo(f"nothing to do: the store {store.url} needs no schema")
+            return
+        from celery_leases.stores.sql import create_table
+
+        made = create_table(engine, store.table.name)  # type: ignore[attr-defined]
+        click.echo(f"lease table {made.name!r} is ready in {store.url}")
+
+
+@leases.command(name="check", cls=CeleryCommand)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def check_command(ctx: click.Context, as_json: bool) -> None:
+    """Check the store and the lease setup; exit 1 on any warning."""
+    app = _app(ctx)
+    url = str(app.conf.get("leases_store") or "")
+    report = run_checks(app)
+    results = [
+        {"check": c.name, "status": c.status, "detail": scrub(c.detail, url)} for c in report
+    ]
+    if as_json:
+        _emit_json({"ok": all(c.status == "ok" for c in report), "checks": results})
+    else:
+        for row in results:
+            row["status"] = row["status"].upper()
+        click.echo(table(results, [("status", "STATUS"), ("check", "CHECK"), ("detail", "")]))
+    statuses = {c.status for c in report}
+    if "error" in statuses:
+        worst = max((c.exit_code for c in report if c.status == "error"), default=EXIT_PROBLEMS)
+        sys.exit(worst)
+    if "warning" in statuses:
+        sys.exit(EXIT_PROBLEMS)

@@ -1,0 +1,97 @@
+"""How lease records are shown to people and scripts.
+
+Durations people type, the JSON view of a record, plain text tables, and
+passwords scrubbed from anything printed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+import click
+
+from celery_leases.stores.base import LeaseRecord, LeaseState, ms_to_datetime
+
+__all__ = ["parse_duration", "record_to_dict", "scrub", "short_time", "table"]
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a number with an optional unit s, m, h, d or w.
+
+    Raises:
+        click.BadParameter: ``text`` is not such a duration.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if match is None:
+        raise click.BadParameter(f"{text!r} is not a duration; use e.g. 3600, 90m, 12h or 7d")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` with the password of ``url`` (plain or quoted) replaced by ``***``."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    for name, value in re.findall(r"(?i)[?&](password)=([^&#]+)", url):
+        del name
+        text = text.replace(value, "***")
+    if password:
+        plain = unquote(password)
+        for form in sorted({password, plain, quote(plain, safe="")}, key=len, reverse=True):
+            text = text.replace(form, "***")
+    return text
+
+
+def record_to_dict(record: LeaseRecord, store_now_ms: int) -> dict[str, Any]:
+    """A JSON-ready view of ``record``; times are ISO 8601 UTC on the store's clock."""
+
+    def iso(ms: int | None) -> str | None:
+        return None if ms is None else ms_to_datetime(ms).isoformat()
+
+    live = record.is_live(store_now_ms)
+    data: dict[str, Any] = {
+        "job_id": record.job_id,
+        "state": record.state.value,
+        "task_name": record.task_name,
+        "owner": record.owner,
+        "generation": record.generation,
+        "lease_until": iso(record.lease_until_ms),
+        "expired": record.state is LeaseState.HELD and not live,
+        "remaining": round((record.lease_until_ms - store_now_ms) / 1000, 3) if live else 0.0,
+        "claimed_at": iso(record.claimed_at_ms),
+        "renewed_at": iso(record.renewed_at_ms),
+        "completed_at": iso(record.completed_at_ms),
+        "renew_count": record.renew_count,
+        "takeovers": record.takeovers,
+    }
+    if record.send_id:
+        data["send_id"] = record.send_id
+    if record.outcome is not None:
+        # the encoded result may hold anything: show its size only
+        data["outcome_bytes"] = len(record.outcome)
+    if record.released_at_ms is not None:
+        data["released_at"] = iso(record.released_at_ms)
+        # empty when the holder released it itself
+        data["released_by"] = record.released_by
+        data["release_reason"] = record.release_reason
+    return data
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """Rows as left-aligned text columns under a header."""
+    cells = [[title for _, title in columns]]
+    cells += [["" if row.get(key) is None else str(row[key]) for key, _ in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def short_time(iso: str | None) -> str:
+    return "" if iso is None else iso[:19].replace("T", " ")

@@ -1,0 +1,296 @@
+"""Optional Prometheus metrics of leased tasks (``pip install 'celery-leases[metrics]'``).
+
+:func:`install_metrics` connects receivers to the signals of
+:mod:`celery_leases.signals`. With the setting ``leases_metrics_port``, each
+worker serves the metrics of all its processes over HTTP on that port
+(``leases_metrics_address``, all interfaces by default): the main process
+points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder before the pool
+starts, so prefork children write their values there, and the server adds
+them up (prometheus-client's multiprocess mode). Without the setting the
+metrics go to prometheus-client's default registry, for an exporter of
+your own; see :func:`metrics_registry`.
+
+Labels are task names and reasons only: no job ids (unbounded) and no store
+URLs (secrets).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from celery_leases import signals
+from celery_leases.errors import LeaseConfigurationError
+
+__all__ = ["install_metrics", "metrics_registry", "observe_store_error"]
+
+logger = logging.getLogger("celery_leases")
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] = {}
+#: leases this process holds, by ``id(lease)``, for the ``held`` gauge
+_held: dict[int, Any] = {}
+_owned_dir: str | None = None
+
+#: deferral reasons that mean the claim itself did not get the lease
+_CLAIM_OUTCOMES = {"held": "held", "store-unavailable": "store_unavailable"}
+#: lost reasons that mean the store could not be asked
+_STORE_ERROR_REASONS = ("unavailable", "heartbeat-error")
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise LeaseConfigurationError(
+            "lease metrics need prometheus-client: pip install 'celery-leases[metrics]'"
+        ) from exc
+    return prometheus_client
+
+
+def _get() -> dict[str, Any]:
+    """The metric objects of this process, made on first use."""
+    with _lock:
+        if _metrics:
+            return _metrics
+        p = _prometheus()
+        task = ["task"]
+        _metrics.update(
+            claims=p.Counter("celery_leases_claims", "Claims by outcome.", [*task, "outcome"]),
+            renew=p.Histogram(
+                "celery_leases_renew_seconds",
+                "Time from sending a renewal to its acceptance.",
+                task,
+                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            ),
+            held=p.Gauge(
+                "celery_leases_held", "Leases held now.", task, multiprocess_mode="livesum"
+            ),
+            lost=p.Counter("celery_leases_lost", "Leases lost, by reason.", [*task, "reason"]),
+            fenced_out=p.Counter(
+                "celery_leases_fenced_out",
+                "Runs whose result was not recorded because their lease was lost.",
+                [*task, "reason"],
+            ),
+            deferred=p.Counter(
+                "celery_leases_deferred",
+                "Deliveries that did not run and were published again, by reason.",
+                [*task, "reason"],
+            ),
+            takeovers=p.Counter(
+                "celery_leases_takeovers",
+                "Claims that took over a lease whose holder let it run out.",
+                task,
+            ),
+            store_errors=p.Counter(
+                "celery_leases_store_errors",
+                "Store operations that failed (the store could not be asked).",
+                ["operation"],
+            ),
+        )
+        return _metrics
+
+
+def observe_store_error(operation: str) -> None:
+    """Count a failed store ``operation`` (``claim``, ``renew``, ...)."""
+    _get()["store_errors"].labels(operation).inc()
+
+
+def _task(sender: Any, lease: Any) -> str:
+    return str(getattr(sender, "name", None) or getattr(lease, "task_name", "") or "")
+
+
+def _set_held(task: str) -> None:
+    with _lock:
+        leases = list(_held.values())
+    count = sum(1 for lease in leases if _task(None, lease) == task and not lease.lost)
+    _get()["held"].labels(task).set(count)
+
+
+def _on_claimed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
+    task = _task(sender, lease)
+    metrics = _get()
+    metrics["claims"].labels(task, "acquired").inc()
+    # a ``takeover`` flag names this claim exactly; ``takeovers`` counts the
+    # job's takeovers so far, so it also stays above 0 on later claims
+    takeover = kwargs.get("takeover")
+    if takeover is None:
+        takeover = int(kwargs.get("takeovers") or 0) > 0
+    if takeover:
+        metrics["takeovers"].labels(task).inc()
+    if lease is not None:
+        with _lock:
+            _held[id(lease)] = lease
+        _set_held(task)
+
+
+def _on_finished(sender: Any = None, lease: Any = None, **_: Any) -> None:
+    if lease is None:
+        return
+    with _lock:
+        _held.pop(id(lease), None)
+    _set_held(_task(sender, lease))
+
+
+def _on_renewed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
+    round_trip = kwargs.get("round_trip")
+    if round_trip is None and lease is not None:
+        # the local deadline is counted from when the renewal was sent
+        round_trip = time.monotonic() - (lease.deadline - lease.timing.safe_duration)
+    if round_trip is not None and round_trip >= 0:
+        _get()["renew"].labels(_task(sender, lease)).observe(round_trip)
+
+
+def _on_lost(sender: Any = None, lease: Any = None, reason: Any = None, **_: Any) -> None:
+    _get()["lost"].labels(_task(sender, lease), str(reason or "unknown")).inc()
+    if reason in _STORE_ERROR_REASONS:
+        observe_store_error("renew")
+    _on_finished(sender, lease)
+
+
+def _on_fenced_out(sender: Any = None, lease: Any = None, reason: Any = None, **_: Any) -> None:
+    _get()["fenced_out"].labels(_task(sender, lease), str(reason or "unknown")).inc()
+    _on_finished(sender, lease)
+
+
+def _on_deferred(sender: Any = None, lease: Any = None, reason: Any = None, **_: Any) -> None:
+    task = _task(sender, lease)
+    metrics = _get()
+    metrics["deferred"].labels(task, str(reason or "unknown")).inc()
+    outcome = _CLAIM_OUTCOMES.get(str(reason))
+    if outcome is not None and lease is None:
+        metrics["claims"].labels(task, outcome).inc()
+    if reason == "store-unavailable":
+        observe_store_error("claim")
+
+
+_RECEIVERS = (
+    (signals.lease_claimed, _on_claimed),
+    (signals.lease_renewed, _on_renewed),
+    (signals.lease_lost, _on_lost),
+    (signals.lease_fenced_out, _on_fenced_out),
+    (signals.lease_completed, _on_finished),
+    (signals.lease_released, _on_finished),
+    (signals.duplicate_deferred, _on_deferred),
+)
+
+
+def _port(app: Any) -> int | None:
+    port = app.conf.get("leases_metrics_port")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
+        raise LeaseConfigurationError(
+            f"leases_metrics_port must be a TCP port number (1-65535) or None, got {port!r}"
+        )
+    return port
+
+
+def _connect_receivers() -> None:
+    for signal, receiver in _RECEIVERS:
+        signal.connect(receiver, weak=False, dispatch_uid=f"celery_leases.metrics.{receiver}")
+
+
+def install_metrics(app: Any, *, required: bool = True) -> None:
+    """Count lease signals in Prometheus metrics; serve them if configured.
+
+    Idempotent. ``leases_metrics_port`` (an int, or None for no server) and
+    ``leases_metrics_address`` are read when the worker starts.
+
+    Args:
+        required: raise when prometheus-client is missing. With False
+            (for a call made on every app) the metrics stay off unless
+            ``leases_metrics_port`` is set, and then the worker logs an error.
+
+    Raises:
+        LeaseConfigurationError: prometheus-client is missing (and
+            ``required``), or the port is not a valid port number.
+    """
+    from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+
+    _port(app)
+    try:
+        _prometheus()
+    except LeaseConfigurationError:
+        if required:
+            raise
+    else:
+        _connect_receivers()
+
+    def prepare(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", app) is not app or _port(app) is None:
+            return
+        _prometheus()  # a configured port without the package: say what to install
+        _connect_receivers()
+        _use_multiprocess_dir()
+
+    def serve(sender: Any = None, **_: Any) -> None:
+        port = _port(app)
+        if getattr(sender, "app", app) is app and port is not None:
+            address = str(app.conf.get("leases_metrics_address") or "0.0.0.0")  # noqa: S104
+            _serve(port, address)
+
+    uid = f"celery_leases.metrics.{id(app)}"
+    worker_init.connect(prepare, weak=False, dispatch_uid=f"{uid}.init")
+    worker_ready.connect(serve, weak=False, dispatch_uid=f"{uid}.ready")
+    worker_process_shutdown.connect(_process_gone, weak=False, dispatch_uid=f"{uid}.child")
+    worker_shutdown.connect(_remove_dir, weak=False, dispatch_uid=f"{uid}.shutdown")
+
+
+def _use_multiprocess_dir() -> None:
+    """Point prometheus-client at a fresh folder, before any pool process exists."""
+    global _owned_dir
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    _owned_dir = tempfile.mkdtemp(prefix="celery-leases-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _owned_dir
+    from prometheus_client import values
+
+    # prometheus-client picks its value class when it is imported; pick again
+    # now that the folder is set (metrics are made later, on first use)
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    with _lock:
+        _metrics.clear()
+
+
+def metrics_registry() -> Any:
+    """A registry with the lease metrics of every process of this worker.
+
+    In multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set) a fresh registry
+    that reads the folder; else prometheus-client's default registry.
+    """
+    p = _prometheus()
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return p.REGISTRY
+    from prometheus_client import multiprocess
+
+    registry = p.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def _serve(port: int, address: str) -> None:
+    try:
+        _prometheus().start_http_server(port, addr=address, registry=metrics_registry())
+    except OSError as exc:
+        logger.error("lease metrics: cannot listen on %s:%d (%s)", address, port, exc)
+        return
+    logger.info("lease metrics served on http://%s:%d/metrics", address, port)
+
+
+def _process_gone(**_: Any) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and "prometheus_client" in sys.modules:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
+def _remove_dir(**_: Any) -> None:
+    if _owned_dir is not None:
+        shutil.rmtree(_owned_dir, ignore_errors=True)
