@@ -94,6 +94,11 @@ def install(app: Any) -> None:
         _on_shutdown, weak=False, dispatch_uid="celery_leases.process_shutdown"
     )
     worker_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="celery_leases.shutdown")
+    # `celery inspect leases` for workers started from Python code too
+    import celery_leases.inspect  # noqa: F401
+    from celery_leases.metrics import install_metrics
+
+    install_metrics(app, required=False)
 
 
 def in_prefork_child() -> bool:
