@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ import redis
 from celery import Celery, Task
 
 from celery_leases import LeasedTask, LeaseLost
+from celery_leases import signals as lease_signals
 
 __all__ = ["AcceptanceConfig", "app", "config_from_env", "make_app"]
 
@@ -35,6 +37,8 @@ WATCH = "acceptance.watch"
 FAIL = "acceptance.fail"
 RETRY_ONCE = "acceptance.retry_once"
 PLAIN_STEPS = "acceptance.plain_steps"
+EFFECTS = "acceptance.effects"
+ECHO = "acceptance.echo"
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,14 @@ class AcceptanceConfig:
         clock_skew: seconds added to the worker's wall clock
             (``time.time``), to act as a worker whose clock is off.
         max_takeovers: ``leases_max_takeovers``, or None for the default.
+        defer_max: ``leases_defer_max``, or None for the default.
+        broker_write: ``broker_write_url`` (where the worker publishes), or
+            None for the broker itself.
+        kill_after_complete: the pool process kills itself (SIGKILL) right
+            after its first accepted completion of a job, before Celery
+            stores the result.
+        pickle: the worker also accepts pickled messages (as root, Celery
+            then needs ``C_FORCE_ROOT``, which this sets for that worker).
     """
 
     broker: str
@@ -73,6 +85,10 @@ class AcceptanceConfig:
     soft_shutdown: float = 0.0
     clock_skew: float = 0.0
     max_takeovers: int | None = None
+    defer_max: float | None = None
+    broker_write: str | None = None
+    kill_after_complete: bool = False
+    pickle: bool = False
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -93,6 +109,14 @@ class AcceptanceConfig:
             env["LEASES_TEST_RENEW_INTERVAL"] = str(self.renew_interval)
         if self.max_takeovers is not None:
             env["LEASES_TEST_MAX_TAKEOVERS"] = str(self.max_takeovers)
+        if self.defer_max is not None:
+            env["LEASES_TEST_DEFER_MAX"] = str(self.defer_max)
+        if self.broker_write is not None:
+            env["LEASES_TEST_BROKER_WRITE"] = self.broker_write
+        if self.kill_after_complete:
+            env["LEASES_TEST_KILL_AFTER_COMPLETE"] = "1"
+        if self.pickle:
+            env["LEASES_TEST_PICKLE"] = env["C_FORCE_ROOT"] = "1"
         return env
 
 
@@ -106,6 +130,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
     broker = env.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/0")
     renew = env.get("LEASES_TEST_RENEW_INTERVAL")
     max_takeovers = env.get("LEASES_TEST_MAX_TAKEOVERS")
+    defer_max = env.get("LEASES_TEST_DEFER_MAX")
     return AcceptanceConfig(
         broker=broker,
         backend=env.get("LEASES_TEST_BACKEND", broker),
@@ -120,6 +145,10 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         soft_shutdown=float(env.get("LEASES_TEST_SOFT_SHUTDOWN", "0")),
         clock_skew=float(env.get("LEASES_TEST_CLOCK_SKEW", "0")),
         max_takeovers=int(max_takeovers) if max_takeovers else None,
+        defer_max=float(defer_max) if defer_max else None,
+        broker_write=env.get("LEASES_TEST_BROKER_WRITE") or None,
+        kill_after_complete=env.get("LEASES_TEST_KILL_AFTER_COMPLETE") == "1",
+        pickle=env.get("LEASES_TEST_PICKLE") == "1",
     )
 
 
@@ -149,6 +178,15 @@ def make_app(config: AcceptanceConfig) -> Celery:
         celery_app.conf.leases_renew_interval = config.renew_interval
     if config.max_takeovers is not None:
         celery_app.conf.leases_max_takeovers = config.max_takeovers
+    if config.defer_max is not None:
+        celery_app.conf.leases_defer_max = config.defer_max
+        celery_app.conf.leases_defer_backoff = min(1.0, config.defer_max)
+    if config.broker_write is not None:
+        celery_app.conf.broker_write_url = config.broker_write
+    if config.kill_after_complete:
+        _kill_after_first_completion(config)
+    if config.pickle:
+        celery_app.conf.accept_content = ["json", "pickle"]
     _register_tasks(celery_app, config)
     return celery_app
 
@@ -183,6 +221,17 @@ def _sleep_steps(seconds: float, step: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(min(step, max(deadline - time.monotonic(), 0.0)))
+
+
+def _kill_after_first_completion(config: AcceptanceConfig) -> None:
+    """SIGKILL this process once per job, right after its completion is accepted."""
+
+    def kill(sender: Any, job_id: str, **_: Any) -> None:
+        if side_channel(config.side).set(f"side:killed:{job_id}", 1, nx=True):
+            _event(config, sender, "killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    lease_signals.lease_completed.connect(kill, weak=False)
 
 
 def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
@@ -231,6 +280,26 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         if self.request.retries == 0:
             raise self.retry(countdown=countdown, max_retries=1)
         return int(self.lease.generation)
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=EFFECTS)
+    def effects(self: Any, seconds: float, step: float = 0.05) -> None:
+        """Produce an effect every ``step`` seconds without ever checking the lease.
+
+        Only the worker can stop it in time (``lease_on_lost`` "stop" or "raise").
+        """
+        _event(config, self, "start")
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            _event(config, self, "effect")
+            time.sleep(step)
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=ECHO)
+    def echo(self: Any, value: Any) -> dict[str, Any]:
+        """Return ``value`` (any type its serializer carries) and the deferrals seen."""
+        _event(config, self, "start")
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value)  # a JSON result backend stores lists
+        return {"value": value, "deferrals": self.request.get("leases_deferrals")}
 
     @celery_app.task(bind=True, shared=False, name=PLAIN_STEPS)
     def plain_steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:
