@@ -49,6 +49,7 @@ __all__ = [
 
 logger = logging.getLogger("celery_leases")
 
+
 def outcome_options(task: Any) -> dict[str, Any]:
     """How ``task``'s outcomes are encoded for the lease record."""
     app = task._get_app()
@@ -190,12 +191,14 @@ def reject_poison(
         takeovers=claim.takeovers,
         limit=limit,
     )
+    from celery_leases.losses import fenced_out  # it releases through this module
+
     result = complete(task, lease, encode_error(error, **outcome_options(task)))
     request = task.request
     if result is None:
-        task._fenced_out(lease, request, args, kwargs, "completion-unknown")
+        fenced_out(task, lease, request, args, kwargs, "completion-unknown")
     if isinstance(result, Refusal):
-        task._fenced_out(lease, request, args, kwargs, result.reason.value)
+        fenced_out(task, lease, request, args, kwargs, result.reason.value)
     signals.lease_completed.send(sender=task, lease=lease, job_id=lease.job_id)
     raise error
 

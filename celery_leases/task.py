@@ -23,26 +23,25 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_leases import events, signals
+from celery_leases import signals
 from celery_leases.errors import LeaseConfigurationError, LeaseError, LeaseLost, StoreUnavailable
 from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease, make_owner
+from celery_leases.losses import fenced_out, react_to_loss
 from celery_leases.notify import notify
 from celery_leases.outcome import encode_value
-from celery_leases.publish import DEFERRALS_HEADER, publish_again
+from celery_leases.publish import DEFERRALS_HEADER
 from celery_leases.run_steps import (
     answer_completed,
     complete,
@@ -68,7 +67,7 @@ from celery_leases.settings import (
     check_on_lost,
 )
 from celery_leases.stores.base import Acquired, AlreadyCompleted, HeldElsewhere, Refusal
-from celery_leases.worker import in_prefork_child, install
+from celery_leases.worker import install
 
 __all__ = ["DEFERRALS_HEADER", "LeasedTask", "forget_runtime", "settings_for", "store_for"]
 
@@ -255,7 +254,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return  # eager: the new run nests inside this one's lease
         lease = run.lease
         if lease.lost or not release(self, lease, reason):
-            self._fenced_out(lease, request, request.args, request.kwargs, lease.lost_reason)
+            fenced_out(self, lease, request, request.args, request.kwargs, lease.lost_reason)
         run.handed_over = True
 
     def _current_run(self) -> _Run | None:
@@ -344,7 +343,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         mode = options.on_lost
 
         def on_lost(lease: Lease) -> None:
-            self._lease_lost(lease, mode)
+            react_to_loss(self, lease, mode)
 
         def on_renewed(lease: Lease) -> None:
             notify(signals.lease_renewed.send, sender=self, lease=lease, job_id=lease.job_id)
@@ -383,7 +382,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         except Exception as exc:
             # a stale run's FAILURE would overwrite the real holder's result
             if not run.handed_over and (lease.lost or not release(self, lease, "failure")):
-                self._fenced_out(lease, request, args, kwargs, lease.lost_reason, exc)
+                fenced_out(self, lease, request, args, kwargs, lease.lost_reason, exc)
             raise
         except BaseException:
             if not lease.lost and not run.handed_over:
@@ -393,95 +392,15 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             # retry(throw=False): the retry message is out and claims the job next
             return value
         if lease.lost:
-            self._fenced_out(lease, request, args, kwargs, lease.lost_reason)
+            fenced_out(self, lease, request, args, kwargs, lease.lost_reason)
         result = complete(self, lease, encode_value(value, **outcome_options(self)))
         if result is None:
-            self._fenced_out(lease, request, args, kwargs, "completion-unknown")
+            fenced_out(self, lease, request, args, kwargs, "completion-unknown")
         if isinstance(result, Refusal):
             lease.mark_lost(result.error("complete"))
-            self._fenced_out(lease, request, args, kwargs, result.reason.value)
+            fenced_out(self, lease, request, args, kwargs, result.reason.value)
         signals.lease_completed.send(sender=self, lease=lease, job_id=lease.job_id)
         return value
-
-    # -- lost leases and fenced-out runs ---------------------------------------
-
-    def _lease_lost(self, lease: Lease, mode: OnLost) -> None:
-        """React to a lost lease; runs in whichever thread noticed, so it stays quick.
-
-        The deadline thread calls it: only a flag, an interrupt or a signal
-        to stop happen here; everything that can block goes to the notifier.
-        """
-        if lease.in_body and mode == "stop" and in_prefork_child():
-            os.kill(os.getpid(), signal.SIGKILL)
-        if lease.in_body and mode in ("raise", "stop"):
-            lease.interrupt()
-        notify(self._announce_lost, lease, mode)
-
-    def _announce_lost(self, lease: Lease, mode: OnLost) -> None:
-        error, reason = lease.loss, lease.lost_reason
-        logger.warning("task %s[%s]: %s", self.name, lease.task_id, error)
-        if mode == "stop" and not in_prefork_child():
-            logger.warning(
-                "lease_on_lost='stop' needs the prefork pool; LeaseLost was raised in the "
-                "task instead, since stopping this process would stop the whole worker"
-            )
-        signals.lease_lost.send(
-            sender=self, lease=lease, job_id=lease.job_id, reason=reason, error=error
-        )
-        try:
-            self.on_lease_lost(lease)
-        except Exception:
-            logger.exception("on_lease_lost of task %s[%s] failed", self.name, lease.task_id)
-        events.send_task_event(
-            self._get_app(), events.LEASE_LOST, task_id=lease.task_id, hostname=lease.hostname,
-            job_id=lease.job_id, generation=lease.generation, reason=reason,
-        )  # fmt: skip
-
-    def _fenced_out(
-        self,
-        lease: Lease,
-        request: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        reason: str | None,
-        cause: BaseException | None = None,
-    ) -> NoReturn:
-        reason = reason or "lost"
-        logger.warning(
-            "task %s[%s]: run of job %r with generation %d is fenced out (%s); its result "
-            "is not recorded",
-            self.name, request.id, lease.job_id, lease.generation, reason,
-        )  # fmt: skip
-        signals.lease_fenced_out.send(sender=self, lease=lease, job_id=lease.job_id, reason=reason)
-        events.send_task_event(
-            self._get_app(), events.LEASE_FENCED_OUT, task_id=request.id,
-            hostname=request.hostname, job_id=lease.job_id, generation=lease.generation,
-            reason=reason,
-        )  # fmt: skip
-        if reason not in _REFUSALS:
-            # lost by the local clock or an outage: the store may still name
-            # this run, and the next copy need not wait a whole TTL for it
-            release(self, lease, "fenced-out", quiet=True)
-        lease.finish()
-        if request.is_eager or request.called_directly:
-            raise lease.loss or LeaseLost(
-                f"run of job {lease.job_id!r} (generation {lease.generation}) was fenced "
-                f"out: {reason}",
-                job_id=lease.job_id, owner=lease.owner, generation=lease.generation,
-                reason=reason,
-            ) from cause  # fmt: skip
-        if not (reason == "completed" and lease.job_id == request.id):
-            # unless this task id already has its answer, the job must not be dropped
-            publish_again(
-                self, request, args, kwargs, job_id=lease.job_id, reason="fenced-out",
-                countdown=min(lease.timing.ttl, self.lease_options().defer_max),
-                retry_for=self.lease_options().defer_max, lease=lease,
-            )  # fmt: skip
-        raise Ignore() from cause
-
-
-#: loss reasons that come from the store refusing this run
-_REFUSALS = frozenset({"missing", "superseded", "released", "completed", "unreadable"})
 
 
 def _leave_body(lease: Lease) -> None:

@@ -1,0 +1,115 @@
+"""What happens when a run loses its lease, and when a run is fenced out.
+
+:func:`react_to_loss` runs in whichever thread noticed the loss, often the
+deadline thread, so it only does what cannot block: a flag (always), an
+interrupt (``lease_on_lost="raise"``) or stopping the pool process
+(``"stop"``). Log lines, signals, the task's ``on_lease_lost`` and the task
+event go to the notifier thread.
+
+:func:`fenced_out` ends a run whose lease is lost or whose completion was
+refused: nothing reaches the result backend, the lease is released if the
+store may still name this run, and the message is published again unless
+the same task id already has its answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any, NoReturn
+
+from celery.exceptions import Ignore
+
+from celery_leases import events, signals
+from celery_leases.errors import LeaseLost
+from celery_leases.lease import Lease
+from celery_leases.notify import notify
+from celery_leases.publish import publish_again
+from celery_leases.run_steps import release
+from celery_leases.settings import OnLost
+from celery_leases.worker import in_prefork_child
+
+__all__ = ["fenced_out", "react_to_loss"]
+
+logger = logging.getLogger("celery_leases")
+
+#: loss reasons that come from the store refusing this run
+_REFUSALS = frozenset({"missing", "superseded", "released", "completed", "unreadable"})
+
+
+def react_to_loss(task: Any, lease: Lease, mode: OnLost) -> None:
+    """React to a lost lease; runs in whichever thread noticed, so it stays quick.
+
+    The deadline thread calls it: only a flag, an interrupt or a signal
+    to stop happen here; everything that can block goes to the notifier.
+    """
+    if lease.in_body and mode == "stop" and in_prefork_child():
+        os.kill(os.getpid(), signal.SIGKILL)
+    if lease.in_body and mode in ("raise", "stop"):
+        lease.interrupt()
+    notify(_announce, task, lease, mode)
+
+
+def _announce(task: Any, lease: Lease, mode: OnLost) -> None:
+    error, reason = lease.loss, lease.lost_reason
+    logger.warning("task %s[%s]: %s", task.name, lease.task_id, error)
+    if mode == "stop" and not in_prefork_child():
+        logger.warning(
+            "lease_on_lost='stop' needs the prefork pool; LeaseLost was raised in the "
+            "task instead, since stopping this process would stop the whole worker"
+        )
+    signals.lease_lost.send(
+        sender=task, lease=lease, job_id=lease.job_id, reason=reason, error=error
+    )
+    try:
+        task.on_lease_lost(lease)
+    except Exception:
+        logger.exception("on_lease_lost of task %s[%s] failed", task.name, lease.task_id)
+    events.send_task_event(
+        task._get_app(), events.LEASE_LOST, task_id=lease.task_id, hostname=lease.hostname,
+        job_id=lease.job_id, generation=lease.generation, reason=reason,
+    )  # fmt: skip
+
+
+def fenced_out(
+    task: Any,
+    lease: Lease,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str | None,
+    cause: BaseException | None = None,
+) -> NoReturn:
+    reason = reason or "lost"
+    logger.warning(
+        "task %s[%s]: run of job %r with generation %d is fenced out (%s); its result "
+        "is not recorded",
+        task.name, request.id, lease.job_id, lease.generation, reason,
+    )  # fmt: skip
+    signals.lease_fenced_out.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
+    events.send_task_event(
+        task._get_app(), events.LEASE_FENCED_OUT, task_id=request.id,
+        hostname=request.hostname, job_id=lease.job_id, generation=lease.generation,
+        reason=reason,
+    )  # fmt: skip
+    if reason not in _REFUSALS:
+        # lost by the local clock or an outage: the store may still name
+        # this run, and the next copy need not wait a whole TTL for it
+        release(task, lease, "fenced-out", quiet=True)
+    lease.finish()
+    if request.is_eager or request.called_directly:
+        raise lease.loss or LeaseLost(
+            f"run of job {lease.job_id!r} (generation {lease.generation}) was fenced "
+            f"out: {reason}",
+            job_id=lease.job_id, owner=lease.owner, generation=lease.generation,
+            reason=reason,
+        ) from cause  # fmt: skip
+    if not (reason == "completed" and lease.job_id == request.id):
+        # unless this task id already has its answer, the job must not be dropped
+        publish_again(
+            task, request, args, kwargs, job_id=lease.job_id, reason="fenced-out",
+            countdown=min(lease.timing.ttl, task.lease_options().defer_max),
+            retry_for=task.lease_options().defer_max, lease=lease,
+        )  # fmt: skip
+    raise Ignore() from cause
