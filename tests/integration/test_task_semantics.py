@@ -18,7 +18,7 @@ import pytest
 from celery import Celery, chain
 
 import celery_leases
-from celery_leases import LeasedTask, LeaseState
+from celery_leases import LeaseConfigurationError, LeasedTask, LeaseState
 from celery_leases.sending import SEND_ID_HEADER
 from celery_leases.stores.memory import ManualClock
 from celery_leases.task import store_for
@@ -278,3 +278,60 @@ def test_stop_ends_every_lease_thread_and_the_next_run_starts_them_again(
     assert slow.delay().get() > 0
     celery_leases.stop()
     assert lease_threads() == []
+
+
+# --- lease_on_lost="raise": what it does and does not guarantee -----------------------------
+
+
+def test_raise_can_be_swallowed_by_a_catch_all_but_the_run_is_still_fenced_out(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    """An asynchronous LeaseLost lands in whatever Python code runs, here a
+    catch-all like ``logging.Handler.emit``'s: the body runs on. What still
+    holds is the completion fence: nothing of the stale run is stored."""
+    clock = ManualClock()
+    app = make_app(leases_store_options={"clock": clock})
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=3, lease_on_lost="raise")
+    def swallowing(self: LeasedTask) -> str:
+        clock.advance(4)  # by the store's clock the lease ran out; a redelivery takes it
+        store_for(app).claim(
+            self.lease.job_id, "successor:2:def", 600, send_id=self.request.get(SEND_ID_HEADER)
+        )
+        swallowed = 0
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            try:
+                time.sleep(0.01)
+            except Exception:  # the point: code that swallows everything
+                swallowed += 1
+        recorder.add("swallowed", swallowed)
+        return "stale result"
+
+    with worker(app):
+        result = swallowing.delay()
+        [fenced] = recorder.wait("lease_fenced_out", timeout=WAIT)
+        meta = app.backend.get_task_meta(result.id, cache=False)
+    assert recorder.of("swallowed") == [1]  # it landed once, and the body ran on
+    assert fenced["reason"] == "superseded"
+    assert meta["status"] == "PENDING"
+
+
+# --- permanent errors ---------------------------------------------------------------------------
+
+
+def test_a_job_key_the_store_cannot_hold_fails_the_task_at_once(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_key="report:{name}")
+    def report(self: LeasedTask, name: str) -> None:
+        recorder.add("body", name)
+
+    with worker(app):
+        result = report.delay(name="bad\udcffkey")  # a lone surrogate: not UTF-8
+        with pytest.raises(LeaseConfigurationError):
+            result.get(timeout=WAIT)
+    assert recorder.of("body") == []
+    assert recorder.of("duplicate_deferred") == []  # failed, not deferred forever
