@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kombu.serialization import dumps, loads
+from kombu.serialization import dumps, loads, prepare_accept_content
 
 __all__ = ["Outcome", "decode", "encode_error", "encode_value"]
 
@@ -65,6 +65,9 @@ def _encode(outcome: Outcome, serializer: str, max_bytes: int) -> bytes | None:
 def decode(payload: bytes, *, accept: Iterable[str] | None) -> Outcome:
     """Decode what :func:`encode_value` or :func:`encode_error` made.
 
+    ``accept`` names the serializers (or content types) allowed, as in
+    Celery's ``accept_content``; None allows any.
+
     Raises:
         ValueError: the payload is not an outcome this module wrote.
     """
@@ -74,7 +77,7 @@ def decode(payload: bytes, *, accept: Iterable[str] | None) -> Outcome:
             body,
             content_type.decode(),
             encoding.decode(),
-            accept=set(accept) if accept is not None else None,
+            accept=None if accept is None else prepare_accept_content(accept),  # type: ignore[no-untyped-call]
         )
     except Exception as exc:
         raise ValueError(f"unreadable outcome in the lease record: {exc!r}") from exc

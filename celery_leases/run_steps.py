@@ -135,7 +135,8 @@ def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
     outcome = getattr(claim, "outcome", None)
     if outcome is not None:
         app = task._get_app()
-        kind, value = decode(outcome, accept=app.conf.result_accept_content or None)
+        accept = app.conf.result_accept_content or app.conf.accept_content
+        kind, value = decode(outcome, accept=accept)
         logger.info(
             "task %s[%s]: job %r was completed by generation %d; answering with the "
             "outcome kept in its lease record",

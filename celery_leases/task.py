@@ -272,7 +272,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return self._run_leased(args, kwargs)
         # called directly (also from inside a running body): a request of its own
         _task_stack.push(self)
-        self.push_request(args=args, kwargs=kwargs, id=None, called_directly=True)
+        self.push_request(args=args, kwargs=kwargs, called_directly=True)
         try:
             return self._run_leased(args, kwargs)
         finally:
@@ -283,7 +283,10 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request = self.request
         app = self._get_app()
         options = self.lease_options()
-        job_id = self.lease_job_id(request.id, args, kwargs)
+        # a direct call inside a body sees the outer request's id, as in plain
+        # Celery, but it is a run of its own
+        task_id = None if request.called_directly else request.id
+        job_id = self.lease_job_id(task_id, args, kwargs)
         owner = make_owner()
         try:
             store = store_for(app)
