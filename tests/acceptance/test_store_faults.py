@@ -76,6 +76,9 @@ def test_a_lost_completion_reply_still_answers_the_client(
     judged by what the store recorded, and the run's result is stored."""
     cluster.configure(ttl=TTL)
     worker = cluster.worker("a", store=proxied(cluster, store_proxy))
+    # a first run loads the scripts, so the dropped reply is an applied
+    # completion and not a NOSCRIPT answer
+    cluster.send(STEPS, 0.05).get(timeout=30)
     store_proxy.drop_reply_to(COMPLETE_SHA)
     result = cluster.send(STEPS, 0.2)
     value = result.get(timeout=30)
@@ -113,6 +116,7 @@ def test_a_poison_job_whose_completion_is_unknown_is_not_dropped(
     job_id = "poison-" + str(time.monotonic_ns())
     assert isinstance(cluster.store.claim(job_id, "dead:1:abc", 0.3), Acquired)
     time.sleep(0.5)  # that holder died: the next claim is a takeover
+    cluster.send(STEPS, 0.05).get(timeout=30)  # loads the scripts (see above)
     store_proxy.blackhole_after(COMPLETE_SHA)
     result = cluster.send(STEPS, 0.1, task_id=job_id)
     worker.wait_for_log(r"the completion is unknown", timeout=30)
