@@ -123,15 +123,17 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
             attempts.sort(key=lambda e: (e.get("generation") is None, e.get("generation") or 0))
         elif _RANK[subject] >= _RANK.get(entry["outcome"], -1):
             entry["outcome"] = subject
-        if subject in ("lost", "fenced-out", "released") and fields.get("reason"):
-            entry.setdefault("reason", fields["reason"])
+        else:
+            subject = entry["outcome"]  # a late event of an earlier step: facts only
+        if entry["outcome"] == subject and fields.get("reason"):
+            entry["reason"] = fields["reason"]
         for key in ("owner", "lease_until"):
             if fields.get(key) is not None:
                 entry[key] = fields[key]
         if isinstance(fields.get("renewals"), int):
             entry["renewals"] = max(entry.get("renewals", 0), fields["renewals"])
-        if subject == "claimed":
-            entry["takeovers"] = fields.get("takeovers", 0)
+        if fields.get("takeovers") is not None:
+            entry["takeovers"] = fields["takeovers"]
         self.lease_job_id = fields.get("job_id", self.lease_job_id)
 
     def _update_summary(self) -> None:
