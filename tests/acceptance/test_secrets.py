@@ -81,6 +81,8 @@ def test_the_store_password_is_shown_nowhere(
         "Flower's task info": json.dumps(info),
         "the worker banner and log": worker.log(),
     }
+    # the Config tab is rendered on the server, with the lease settings in it
+    assert "leases_store" in seen["Flower's worker page"]
     for place, text in seen.items():
         assert SECRET not in text, f"the store password shows in {place}"
 
