@@ -19,7 +19,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_leases import LeasedTask, events
-from celery_leases.task import forget_runtime
+from celery_leases.stores.memory import ManualClock
+from celery_leases.task import forget_runtime, store_for
 from tests.conftest import serve
 from tests.servers import RedisServer
 
@@ -254,3 +255,38 @@ def test_a_hanging_broker_never_blocks_whoever_sends_an_event(
         finally:
             server.proc.send_signal(signal.SIGCONT)
         assert events.flush(WAIT)
+
+
+def test_a_lease_lost_in_the_heartbeat_thread_names_its_task(
+    make_app: Callable[..., Celery], transitions: Records
+) -> None:
+    """The lost notice comes from the heartbeat, where ``task.request`` is empty."""
+    clock = ManualClock()
+    app = make_app(
+        leases_store_options={"clock": clock},
+        leases_on_lost="flag",
+        worker_send_task_events=True,
+    )
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5, name="observe.victim")
+    def victim(self: LeasedTask) -> None:
+        clock.advance(2)
+        store_for(app).claim(self.lease.job_id, "successor:2:def", 60)  # next renewal is refused
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not self.lease.lost:
+            time.sleep(0.01)
+
+    with receiving(app) as received, worker(app):
+        result = victim.delay()
+        wait_for(lambda: received.of("lease-fenced-out", result.id), "lease-fenced-out")
+        wait_for(lambda: received.of("lease-lost", result.id), "lease-lost")
+    by_transition = {r.lease_transition: r for r in transitions.records}  # type: ignore[attr-defined]
+    lost, claimed = by_transition["lost"], by_transition["claimed"]
+    assert lost.threadName != claimed.threadName
+    assert lost.task_id == result.id  # type: ignore[attr-defined]
+    assert lost.reason == "superseded"  # type: ignore[attr-defined]
+    (lost_event,) = received.of("lease-lost", result.id)
+    (fenced_event,) = received.of("lease-fenced-out", result.id)
+    assert lost_event["reason"] == "superseded"
+    assert lost_event["hostname"] == fenced_event["hostname"]
+    assert lost_event["generation"] == fenced_event["generation"]
