@@ -136,6 +136,8 @@ class _Sender:
         self.pid = os.getpid()
         self.queue: queue.Queue[_Event | _Flush] = queue.Queue(QUEUE_SIZE)
         self.dropped = 0
+        #: publishes failed in a row; a broker that is down is logged once per 100
+        self.failures = 0
         self._dispatchers: dict[str | None, Any] = {}
         self._connection: Any = None
         self._thread = threading.Thread(target=self._run, name="celery-leases-events", daemon=True)
@@ -170,10 +172,17 @@ class _Sender:
             try:
                 self._publish(item)
             except Exception as exc:
-                logger.warning(
-                    "could not send the %s event for task %s: %r", item.type, item.task_id, exc
-                )
+                self.failures += 1
+                if self.failures == 1 or self.failures % 100 == 0:
+                    logger.warning(
+                        "could not send the %s event for task %s (%d failed in a row): %r",
+                        item.type, item.task_id, self.failures, exc,
+                    )  # fmt: skip
                 self._reset()
+            else:
+                if self.failures:
+                    logger.info("lease events are sent again after %d failed", self.failures)
+                self.failures = 0
 
     def _publish(self, event: _Event) -> None:
         dispatcher = self._dispatchers.get(event.hostname)

@@ -290,3 +290,23 @@ def test_a_lease_lost_in_the_heartbeat_thread_names_its_task(
     assert lost_event["reason"] == "superseded"
     assert lost_event["hostname"] == fenced_event["hostname"]
     assert lost_event["generation"] == fenced_event["generation"]
+
+
+def test_a_broker_that_is_down_is_logged_once_not_per_event(
+    make_app: Callable[..., Celery],
+) -> None:
+    for server in serve(RedisServer):
+        app = make_app(broker=server.url, worker_send_task_events=True)
+        server.kill()  # connections are refused from now on
+        handler = Records()
+        log = logging.getLogger("celery_leases")
+        log.addHandler(handler)
+        try:
+            for n in range(3):
+                events.emit(app, events.LEASE_RENEWED, task_id=f"t{n}", hostname="w@h")
+            assert events.flush(WAIT)
+        finally:
+            log.removeHandler(handler)
+        failures = [r for r in handler.records if "could not send" in r.getMessage()]
+        assert len(failures) == 1
+        assert events._senders[app].failures == 3
