@@ -253,3 +253,38 @@ def test_task_that_moved_between_workers_shows_each_attempt(
     assert deferred
     assert deferred[0]["reason"] == "held"
     assert info["worker"] == info["lease_ran_on"]
+
+
+def test_a_stale_run_that_wakes_up_late_shows_as_fenced_out(
+    cluster: Cluster, flower: Flower
+) -> None:
+    """The worked example: A is paused past its lease, B takes over and
+    completes, then A wakes up; Flower keeps SUCCESS and B as the worker."""
+    cluster.configure(ttl=TTL)
+    workers = [cluster.worker("a", extra_args=("-E",)), cluster.worker("b", extra_args=("-E",))]
+    result = cluster.send(STEPS, 4.0)
+    (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
+    generation_a = started_a["generation"]
+    worker_a, worker_b = sorted(
+        workers, key=lambda w: not started_a["worker"].startswith(f"{w.name}@")
+    )
+    worker_a.freeze()
+    try:
+        cluster.send(STEPS, 4.0, task_id=result.id)
+        flower.wait_task(result.id, timeout=60, state="SUCCESS", lease_generation=generation_a + 1)
+    finally:
+        worker_a.thaw()
+
+    def fenced_out() -> dict[str, Any] | None:
+        info = flower.task_info(result.id) or {}
+        first = (info.get("lease_attempts") or [{}])[0]
+        return info if first.get("outcome") == "fenced-out" else None
+
+    info = wait_until(fenced_out, timeout=30, message="A's run to be fenced out")
+    stale = info["lease_attempts"][0]
+    assert (stale["generation"], stale["worker"]) == (generation_a, started_a["worker"])
+    assert stale["reason"] == "deadline"
+    assert info["state"] == "SUCCESS"
+    assert info["lease_ran_on"].startswith(f"{worker_b.name}@")
+    assert info["worker"] == info["lease_ran_on"]
+    assert info["lease_fate"].startswith(f"completed by generation {generation_a + 1}")
