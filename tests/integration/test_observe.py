@@ -194,12 +194,13 @@ def transitions() -> Iterator[Records]:
     """The transitions logger's records (the worker reconfigures the root logger)."""
     handler = Records()
     log = logging.getLogger("celery_leases.transitions")
-    level = log.level
+    saved = (log.level, log.disabled)
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    log.disabled = False
     yield handler
     log.removeHandler(handler)
-    log.setLevel(level)
+    log.level, log.disabled = saved
 
 
 def test_each_transition_logs_one_line_with_its_fields(
@@ -300,6 +301,10 @@ def test_a_broker_that_is_down_is_logged_once_not_per_event(
         server.kill()  # connections are refused from now on
         handler = Records()
         log = logging.getLogger("celery_leases")
+        # an earlier in-process worker may have set up logging its own way
+        saved = (log.level, log.disabled)
+        log.setLevel(logging.INFO)
+        log.disabled = False
         log.addHandler(handler)
         try:
             for n in range(3):
@@ -307,6 +312,7 @@ def test_a_broker_that_is_down_is_logged_once_not_per_event(
             assert events.flush(WAIT)
         finally:
             log.removeHandler(handler)
+            log.level, log.disabled = saved
         failures = [r for r in handler.records if "could not send" in r.getMessage()]
         assert len(failures) == 1
         assert events._senders[app].failures == 3
