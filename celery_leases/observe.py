@@ -79,28 +79,31 @@ def _record(
     level: int,
     lease: Lease | None,
     job_id: str,
+    *,
+    task_id: str | None = None,
     **extra: Any,
 ) -> None:
-    task_id, hostname = _task_ids(sender, lease)
+    found_task_id, hostname = _task_ids(sender, lease)
+    task_id = task_id or found_task_id
     fields: dict[str, Any] = lease_fields(lease) if lease is not None else {"job_id": job_id}
     fields.update({k: v for k, v in extra.items() if v is not None})
-    generation = fields.get("generation")
-    owner = fields.get("owner")
-    details = "".join(
-        f" {key}={value}"
-        for key, value in fields.items()
-        if key not in ("job_id", "generation", "owner")
-    )
-    logger.log(
-        level,
-        "lease %s: job=%s task=%s generation=%s owner=%s%s",
-        transition, job_id, task_id, generation, owner, details,
-        extra={
-            "lease_transition": transition, "task_id": task_id, "worker": hostname,
-            "generation": generation, "owner": owner,
-            **{k: v for k, v in fields.items() if k not in ("generation", "owner")},
-        },
-    )  # fmt: skip
+    if logger.isEnabledFor(level):
+        generation = fields.get("generation")
+        owner = fields.get("owner")
+        details = "".join(
+            f" {key}={value}"
+            for key, value in fields.items()
+            if key not in ("job_id", "generation", "owner")
+        )
+        logger.log(
+            level,
+            "lease %s: job=%s task=%s generation=%s owner=%s%s",
+            transition, job_id, task_id, generation, owner, details,
+            extra={
+                **fields, "lease_transition": transition, "task_id": task_id,
+                "worker": hostname, "generation": generation, "owner": owner,
+            },
+        )  # fmt: skip
     events.emit(sender.app, event_type, task_id=task_id, hostname=hostname, **fields)
 
 
@@ -165,17 +168,8 @@ def _deferred(
 def _skipped(
     sender: Any, job_id: str, generation: int | None = None, task_id: str | None = None, **_: Any
 ) -> None:
-    request = getattr(sender, "request", None)
-    task_id = task_id or getattr(request, "id", None)
-    hostname = getattr(request, "hostname", None)
-    logger.info(
-        "lease skipped: job=%s task=%s generation=%s owner=None (already completed)",
-        job_id, task_id, generation,
-        extra={"lease_transition": "skipped", "job_id": job_id, "task_id": task_id,
-               "worker": hostname, "generation": generation, "owner": None},
-    )  # fmt: skip
-    events.emit(sender.app, events.LEASE_SKIPPED, task_id=task_id, hostname=hostname,
-                job_id=job_id, generation=generation)  # fmt: skip
+    _record(sender, "skipped", events.LEASE_SKIPPED, logging.INFO, None, job_id,
+            task_id=task_id, generation=generation)  # fmt: skip
 
 
 _RECEIVERS: dict[str, Callable[..., None]] = {
