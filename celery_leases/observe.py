@@ -1,8 +1,8 @@
-"""Lease transitions become log lines and task events.
+"""Lease transitions become log lines and events.
 
 :func:`connect` hooks one receiver onto each lease signal of
 :mod:`celery_leases.signals`. Per transition it writes one log line on the
-``celery_leases.transitions`` logger and queues one ``task-lease-*`` event
+``celery_leases.transitions`` logger and queues one ``lease-*`` event
 (see :mod:`celery_leases.events`).
 
 Each log line reads ``lease <transition>: job=... task=... generation=...
