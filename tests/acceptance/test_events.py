@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+
 import pytest
 
 from tests.acceptance.app import STEPS
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import wait_until
 from tests.integration.test_observe import receiving
+
+
+@pytest.fixture(autouse=True)
+def _collect_results(cluster: Cluster) -> Iterator[None]:
+    """Collect the test's AsyncResults (in reference cycles) while the servers are up:
+    their ``__del__`` talks to the result backend."""
+    yield
+    gc.collect()
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])

@@ -6,6 +6,7 @@ redis-server; an event receiver on the same broker collects what is sent.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -49,6 +50,9 @@ def make_app(redis_server: RedisServer, unique: str) -> Iterator[Callable[..., C
         return app
 
     yield factory
+    # AsyncResult objects sit in reference cycles; their __del__ talks to the
+    # result backend, so let it run while the server is still up
+    gc.collect()
     for app in apps:
         forget_runtime(app)
         app.close()
