@@ -186,7 +186,7 @@ def test_task_page_shows_the_lease_of_a_normal_run(
     assert "Lease generation" in dom
     assert f"completed by generation {generation}" in dom
     screenshot = tmp_path / "flower-task.png"
-    chromium(page, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1500")
+    chromium(page, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1900")
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.environ.get(SCREENSHOT_ENV):
         shutil.copyfile(screenshot, os.environ[SCREENSHOT_ENV])
