@@ -7,6 +7,8 @@ completion. Each claim carries a generation number, the fencing token.
 
 from __future__ import annotations
 
+from celery_leases import observe as _observe
+from celery_leases import redact as _redact
 from celery_leases.errors import (
     LeaseConfigurationError,
     LeaseError,
@@ -38,6 +40,9 @@ from celery_leases.stores.base import (
 )
 from celery_leases.task import LeasedTask
 from celery_leases.worker import install
+
+_observe.connect()
+_redact.install_settings_filter()
 
 __version__ = "0.1.0"
 
