@@ -49,7 +49,6 @@ __all__ = [
     "EVENT_TYPES",
     "emit",
     "flush",
-    "send_task_event",
     "task_events_enabled",
 ]
 
@@ -270,13 +269,3 @@ worker_process_shutdown.connect(
     _on_shutdown, weak=False, dispatch_uid="celery_leases.events.process_shutdown"
 )
 worker_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="celery_leases.events.shutdown")
-
-
-def send_task_event(
-    app: Any, type_: str, *, task_id: str | None, hostname: str | None, **fields: Any
-) -> None:
-    """Kept for older call sites; does nothing.
-
-    Lease events are sent by :mod:`celery_leases.observe` from the lease
-    signals, once per transition; a second sender would duplicate them.
-    """

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from celery.exceptions import Ignore
 
-from celery_leases import events, signals
+from celery_leases import signals
 from celery_leases.errors import LeaseLost
 from celery_leases.lease import Lease
 from celery_leases.notify import notify
@@ -53,7 +53,6 @@ def react_to_loss(task: Any, lease: Lease, mode: OnLost) -> None:
 
 def _announce(task: Any, lease: Lease, mode: OnLost) -> None:
     error, reason = lease.loss, lease.lost_reason
-    logger.warning("task %s[%s]: %s", task.name, lease.task_id, error)
     if mode == "stop" and not in_prefork_child():
         logger.warning(
             "lease_on_lost='stop' needs the prefork pool; LeaseLost was raised in the "
@@ -66,10 +65,6 @@ def _announce(task: Any, lease: Lease, mode: OnLost) -> None:
         task.on_lease_lost(lease)
     except Exception:
         logger.exception("on_lease_lost of task %s[%s] failed", task.name, lease.task_id)
-    events.send_task_event(
-        task._get_app(), events.LEASE_LOST, task_id=lease.task_id, hostname=lease.hostname,
-        job_id=lease.job_id, generation=lease.generation, reason=reason,
-    )  # fmt: skip
 
 
 def fenced_out(
@@ -82,17 +77,7 @@ def fenced_out(
     cause: BaseException | None = None,
 ) -> NoReturn:
     reason = reason or "lost"
-    logger.warning(
-        "task %s[%s]: run of job %r with generation %d is fenced out (%s); its result "
-        "is not recorded",
-        task.name, request.id, lease.job_id, lease.generation, reason,
-    )  # fmt: skip
     signals.lease_fenced_out.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
-    events.send_task_event(
-        task._get_app(), events.LEASE_FENCED_OUT, task_id=request.id,
-        hostname=request.hostname, job_id=lease.job_id, generation=lease.generation,
-        reason=reason,
-    )  # fmt: skip
     if reason not in _REFUSALS:
         # lost by the local clock or an outage: the store may still name
         # this run, and the next copy need not wait a whole TTL for it

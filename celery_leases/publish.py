@@ -23,7 +23,7 @@ from celery._state import _task_stack
 from celery.exceptions import Reject
 from kombu.serialization import registry
 
-from celery_leases import events, signals
+from celery_leases import signals
 from celery_leases.lease import Lease
 from celery_leases.request import CONTENT_TYPE_KEY
 from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
@@ -115,16 +115,7 @@ def publish_again(
             time.sleep(wait)
             waited += wait
             wait *= 2
-    logger.info(
-        "task %s[%s]: job %r deferred %.1f s (%s, deferral %d)",
-        task.name, request.id, job_id, countdown, reason, deferrals,
-    )  # fmt: skip
     signals.duplicate_deferred.send(
         sender=task, lease=lease, job_id=job_id, reason=reason, countdown=countdown,
         deferrals=deferrals, holder=holder,
-    )  # fmt: skip
-    events.send_task_event(
-        task._get_app(), events.LEASE_DEFERRED, task_id=request.id,
-        hostname=request.hostname, job_id=job_id, reason=reason, countdown=countdown,
-        deferrals=deferrals,
     )  # fmt: skip

@@ -127,10 +127,6 @@ def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
     )  # fmt: skip
     ignored = bool(request.ignore_result or task.ignore_result)
     if not ignored and _stored_state(task, request.id) in READY_STATES:
-        logger.info(
-            "task %s[%s]: job %r was already completed by generation %d; skipping",
-            task.name, request.id, claim.job_id, claim.generation,
-        )  # fmt: skip
         raise Ignore()
     outcome = getattr(claim, "outcome", None)
     if outcome is not None:

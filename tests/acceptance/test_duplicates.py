@@ -93,7 +93,7 @@ def test_delivery_of_completed_job_is_skipped(cluster: Cluster) -> None:
     with keeping_send_id("send-1"):
         cluster.send(STEPS, 0.1, task_id=result.id)
     worker.wait_for_log(
-        rf"{re.escape(result.id)}.*already completed by generation {value['generation']}; skipping",
+        rf"lease skipped: job={re.escape(result.id)} .*generation={value['generation']}",
         timeout=30,
     )
     assert cluster.side.done_count(result.id) == 1

@@ -85,11 +85,6 @@ def test_importing_the_library_installs_the_censor() -> None:
     [
         pytest.param(
             f"foo://user:{SECRET}@h/0",
-            marks=pytest.mark.xfail(
-                reason="open_store names an unknown scheme with the whole URL, password "
-                "included (celery_leases/stores/__init__.py)",
-                strict=True,
-            ),
             id="unknown-scheme",
         ),
         pytest.param(f"redis://:{SECRET}@127.0.0.1:1/0?socket_timeout=abc", id="redis-bad-query"),
