@@ -1,0 +1,198 @@
+"""The Celery app of the chaos workers (``celery -A chaos.app worker``).
+
+Configured from ``CHAOS_*`` environment variables (see :class:`ChaosConfig`).
+Every worker process records in the history: each store operation (through
+:class:`~chaos.recording.RecordingStore`, installed in place of the store
+the library opens), the start and end of each body, each target write
+before it is sent and after its answer, and the lease signals.
+
+``CHAOS_VARIANT`` selects a broken variant (see ``chaos.variants``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_leases.runtime
+from celery_leases import LeasedTask, LeaseLost, LeaseStore, StaleFencingToken, open_store
+from celery_leases import signals as lease_signals
+from celery_leases.fencing import FencingToken, Token
+from chaos.history import History
+from chaos.recording import RecordingStore
+from chaos.targets import RedisTarget, SqlTarget
+
+__all__ = ["JOB", "ChaosConfig", "app", "make_app"]
+
+JOB = "chaos.job"
+
+#: variants the task body implements (the store variants live in chaos.recording)
+BODY_VARIANTS = frozenset({"unfenced-target", "ignore-deadline"})
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """What a chaos worker (and the runner's client app) needs."""
+
+    broker: str = "redis://127.0.0.1:6379/0"
+    queue: str = "chaos"
+    store: str = "memory://"
+    store_options: dict[str, Any] = field(default_factory=dict)
+    ttl: float = 1.5
+    visibility_timeout: float = 3600.0
+    history: str = "chaos-out/history"
+    sql_target: str = ""
+    redis_target: str = ""
+    variant: str = ""
+
+    def to_env(self) -> dict[str, str]:
+        return {"CHAOS_CONFIG": json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> ChaosConfig:
+        raw = os.environ.get("CHAOS_CONFIG")
+        return cls(**json.loads(raw)) if raw else cls()
+
+
+def make_app(config: ChaosConfig) -> Celery:
+    """A Celery app on the config's broker (also the result backend) and store."""
+    celery_app = Celery("chaos", broker=config.broker, backend=config.broker)
+    celery_app.conf.update(
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=config.queue,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": config.visibility_timeout,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+        result_expires=None,
+        leases_store=config.store,
+        leases_store_options=config.store_options,
+        leases_ttl=config.ttl,
+        leases_defer_max=max(2 * config.ttl, 2.0),
+    )
+    return celery_app
+
+
+def skew_wall_clock(spec: str) -> None:
+    """Make this process's ``time.time`` run off: ``"+300"``/``"-300"`` seconds, or ``"x2"``.
+
+    libfaketime would do this for the whole process, but with
+    ``DONT_FAKE_MONOTONIC=1`` (needed: the history and the lease deadlines
+    use the monotonic clock) it makes Python 3.11's ``time.sleep`` fail with
+    EINVAL, so the wall clock is shifted in Python instead. The lease code
+    must not care: it uses the store's clock and ``time.monotonic``.
+    """
+    true_time, true_time_ns = time.time, time.time_ns
+    if spec.startswith("x"):
+        rate, start = float(spec[1:]), true_time()
+        time.time = lambda: start + rate * (true_time() - start)
+        time.time_ns = lambda: round(time.time() * 1e9)
+    else:
+        offset = float(spec)
+        time.time = lambda: true_time() + offset
+        time.time_ns = lambda: true_time_ns() + round(offset * 1e9)
+
+
+config = ChaosConfig.from_env()
+if os.environ.get("CHAOS_CLOCK"):
+    skew_wall_clock(os.environ["CHAOS_CLOCK"])
+history = History(config.history)
+app = make_app(config)
+_side: dict[int, redis.Redis] = {}
+_targets: dict[int, tuple[SqlTarget | None, RedisTarget | None]] = {}
+
+
+def _expiring_counter(job_id: str, ttl_ms: int) -> int:
+    # the "generation kept in an expiring key" bug: the counter vanishes with the lease
+    client = _side.setdefault(os.getpid(), redis.Redis.from_url(config.broker))
+    key = f"chaos:expiring-generation:{job_id}"
+    pipe = client.pipeline()
+    pipe.incr(key)
+    pipe.pexpire(key, ttl_ms)
+    return int(pipe.execute()[0])
+
+
+def _open_recording_store(url: str, **options: Any) -> LeaseStore:
+    return RecordingStore(open_store(url, **options), history, config.variant, _expiring_counter)
+
+
+# every store the library opens in a worker process is recorded
+celery_leases.runtime.open_store = _open_recording_store  # type: ignore[attr-defined]
+
+
+def _targets_here() -> tuple[SqlTarget | None, RedisTarget | None]:
+    pid = os.getpid()
+    if pid not in _targets:  # made after fork: no shared sockets
+        _targets[pid] = (
+            SqlTarget(config.sql_target) if config.sql_target else None,
+            RedisTarget(config.redis_target) if config.redis_target else None,
+        )
+    return _targets[pid]
+
+
+def _write(lease: Any, step: int) -> None:
+    """Write ``step`` to every target, recording before and after each write."""
+    ignore_deadline = config.variant == "ignore-deadline"
+    token: FencingToken = Token(lease.job_id, lease.generation) if ignore_deadline else lease
+    fenced = config.variant != "unfenced-target"
+    for name, target in zip(("sql", "redis"), _targets_here(), strict=True):
+        if target is None:
+            continue
+        call = history.record(
+            "write", target=name, job=lease.job_id, generation=lease.generation,
+            owner=lease.owner, step=step, remaining=lease.remaining(),
+        )  # fmt: skip
+        try:
+            target.write(token, step, os.getpid(), fenced=fenced)
+        except StaleFencingToken:
+            history.record("write-result", call=call, outcome="refused")
+        except LeaseLost:
+            history.record("write-result", call=call, outcome="lost")
+            raise
+        except Exception as exc:
+            history.record("write-result", call=call, outcome="error", error=type(exc).__name__)
+        else:
+            history.record("write-result", call=call, outcome="accepted")
+
+
+@app.task(base=LeasedTask, bind=True, name=JOB)  # type: ignore[untyped-decorator]
+def job(self: Any, seconds: float, writes: int) -> dict[str, Any]:
+    """Run ``seconds`` in ``writes`` slices, writing every target after each slice."""
+    lease = self.lease
+    history.record(
+        "body", job=lease.job_id, generation=lease.generation, owner=lease.owner,
+        remaining=lease.remaining(),
+    )  # fmt: skip
+    for step in range(1, writes + 1):
+        end = time.monotonic() + seconds / writes
+        while time.monotonic() < end:
+            if config.variant != "ignore-deadline":
+                lease.check()
+            time.sleep(min(0.05, max(end - time.monotonic(), 0.0)))
+        _write(lease, step)
+    history.record("body-end", job=lease.job_id, generation=lease.generation, owner=lease.owner)
+    return {"generation": lease.generation}
+
+
+def _signal_recorder(kind: str) -> Any:
+    def receive(sender: Any = None, lease: Any = None, job_id: str = "", **extra: Any) -> None:
+        fields = {k: v for k, v in extra.items() if k in ("reason", "countdown", "deferrals")}
+        history.record(
+            kind, job=job_id, generation=getattr(lease, "generation", None),
+            owner=getattr(lease, "owner", None), **fields,
+        )  # fmt: skip
+
+    return receive
+
+
+for _name in ("lease_lost", "lease_fenced_out", "duplicate_deferred", "lease_skipped"):
+    getattr(lease_signals, _name).connect(_signal_recorder(_name), weak=False)
