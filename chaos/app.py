@@ -11,8 +11,10 @@ before it is sent and after its answer, and the lease signals.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -139,17 +141,22 @@ def _targets_here() -> tuple[SqlTarget | None, RedisTarget | None]:
     return _targets[pid]
 
 
-def _write(lease: Any, step: int) -> None:
-    """Write ``step`` to every target, recording before and after each write."""
-    ignore_deadline = config.variant == "ignore-deadline"
-    token: FencingToken = Token(lease.job_id, lease.generation) if ignore_deadline else lease
+def _write(lease: Any, step: int, *, late_remaining: float | None = None) -> None:
+    """Write ``step`` to every target, recording before and after each write.
+
+    ``late_remaining``: the write left before the deadline (that much time
+    was left then) and arrives only now, as a request delayed on the wire.
+    """
+    late = late_remaining is not None or config.variant == "ignore-deadline"
+    token: FencingToken = Token(lease.job_id, lease.generation) if late else lease
     fenced = config.variant != "unfenced-target"
     for name, target in zip(("sql", "redis"), _targets_here(), strict=True):
         if target is None:
             continue
+        remaining = lease.remaining() if late_remaining is None else late_remaining
         call = history.record(
             "write", target=name, job=lease.job_id, generation=lease.generation,
-            owner=lease.owner, step=step, remaining=lease.remaining(),
+            owner=lease.owner, step=step, remaining=remaining, late=late_remaining is not None,
         )  # fmt: skip
         try:
             target.write(token, step, os.getpid(), fenced=fenced)
@@ -172,15 +179,54 @@ def job(self: Any, seconds: float, writes: int) -> dict[str, Any]:
         "body", job=lease.job_id, generation=lease.generation, owner=lease.owner,
         remaining=lease.remaining(),
     )  # fmt: skip
-    for step in range(1, writes + 1):
-        end = time.monotonic() + seconds / writes
-        while time.monotonic() < end:
-            if config.variant != "ignore-deadline":
-                lease.check()
-            time.sleep(min(0.05, max(end - time.monotonic(), 0.0)))
-        _write(lease, step)
+    step, remaining = 0, lease.remaining()
+    try:
+        for step in range(1, writes + 1):
+            end = time.monotonic() + seconds / writes
+            while time.monotonic() < end:
+                if config.variant != "ignore-deadline":
+                    lease.check()
+                    remaining = lease.remaining()
+                time.sleep(min(0.05, max(end - time.monotonic(), 0.0)))
+            _write(lease, step)
+    except LeaseLost:
+        _late_requests(self, lease, max(step, 1), remaining)
+        raise
     history.record("body-end", job=lease.job_id, generation=lease.generation, owner=lease.owner)
     return {"generation": lease.generation}
+
+
+def _late_requests(task: Any, lease: Any, step: int, remaining: float) -> None:
+    """Requests a stale run had on the wire arrive after another run took over.
+
+    A pause can fall between a worker's last check and the moment its
+    request reaches the store or a target: the store and the fenced targets
+    must refuse such a request on their own. The library's local checks
+    make that window small, so a short run would rarely show it; here a run
+    that lost its lease sends its next write, a renewal and a completion
+    once the store names another holder (within 4 TTLs, else nothing is
+    sent). A correct store and fenced targets refuse all three.
+    """
+    store = celery_leases.runtime.store_for(task.app)
+
+    def deliver() -> None:
+        deadline = time.monotonic() + 4 * config.ttl
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                record = store.get(lease.job_id)
+                if record is not None and record.owner not in ("", lease.owner):
+                    break
+            time.sleep(0.1)
+        else:
+            return
+        history.record("late", job=lease.job_id, generation=lease.generation, owner=lease.owner)
+        _write(lease, step, late_remaining=remaining)
+        with contextlib.suppress(Exception):
+            store.renew(lease.job_id, lease.owner, lease.generation, config.ttl)
+        with contextlib.suppress(Exception):
+            store.complete(lease.job_id, lease.owner, lease.generation)
+
+    threading.Thread(target=deliver, name="chaos-late", daemon=True).start()
 
 
 def _signal_recorder(kind: str) -> Any:

@@ -129,7 +129,7 @@ def check(
 
     violations += _check_writes(records, counts)
     for r in records:
-        if r["kind"] in ("lease_lost", "lease_fenced_out", "lease_skipped"):
+        if r["kind"] in ("lease_lost", "lease_fenced_out", "lease_skipped", "late"):
             counts[r["kind"].replace("_", " ")] += 1
         elif r["kind"] == "duplicate_deferred":
             counts[f"deferred ({r.get('reason')})"] += 1
@@ -216,9 +216,12 @@ def _check_writes(records: Sequence[Mapping[str, Any]], counts: Counter[str]) ->
     for r in records:
         if r["kind"] != "write-result":
             continue
-        counts[f"target writes {r['outcome']}"] += 1
         write = writes.get(r["call"])
-        if write is not None and r["outcome"] == "accepted" and float(write["remaining"]) <= 0:
+        late = " (late)" if write is not None and write.get("late") else ""
+        counts[f"target writes {r['outcome']}{late}"] += 1
+        if write is None or write.get("late"):
+            continue  # a late write left before the deadline: the fence's business
+        if r["outcome"] == "accepted" and float(write["remaining"]) <= 0:
             found.append(
                 f"D job {write['job']}: a write of generation {write['generation']} was sent "
                 f"{-float(write['remaining']):.2f} s after the local deadline and accepted"
