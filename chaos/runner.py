@@ -215,8 +215,6 @@ def run(
         chaos.join()
         for worker in workers:
             worker.thaw()
-        with contextlib.suppress(Exception):
-            control.start()  # running already unless the last fault left it down
         final = _drain(store, jobs, profile.drain)
         results = {job: AsyncResult(job, app=client).state for job in jobs}
         for worker in workers:
