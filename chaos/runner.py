@@ -68,8 +68,8 @@ PROFILES = {
     ),
     "long": Profile(
         jobs=1000,
-        seconds=1500,
-        interval=1.4,
+        seconds=1200,
+        interval=1.1,
         budget={
             "pause-child": 150,
             "pause-worker": 80,
@@ -216,7 +216,7 @@ def run(
         for worker in workers:
             worker.thaw()
         final = _drain(store, jobs, profile.drain)
-        results = {job: AsyncResult(job, app=client).state for job in jobs}
+        results = {job: _answer(AsyncResult(job, app=client)) for job in jobs}
         for worker in workers:
             worker.stop()
         report = check(
@@ -231,6 +231,14 @@ def run(
         (out / "report.txt").write_text(report.format() + "\n")
         return report
     raise AssertionError("unreachable")
+
+
+def _answer(result: AsyncResult) -> str:
+    """The client's answer: its state, and the error's class for a failure."""
+    state = str(result.state)
+    if state == "FAILURE":
+        return f"FAILURE:{type(result.result).__name__}"
+    return state
 
 
 def _drain(store: Any, jobs: list[str], timeout: float) -> dict[str, LeaseRecord | None]:

@@ -186,3 +186,14 @@ def test_a_lost_job_is_caught() -> None:
     history.claim("A", 10, 0)
     report = run_check(history, LeaseRecord(JOB, "A", 10, 1000, LeaseState.HELD), result="PENDING")
     assert [v[:2] for v in report.violations] == ["I6", "I6"], report.format()
+
+
+def test_a_poison_verdict_is_an_answer_not_a_lost_job() -> None:
+    history = History()
+    history.claim("A", 10, 0)
+    history.complete("A", 10)
+    report = run_check(history, completed("A", 10), result="FAILURE:TakeoverLimitExceeded")
+    assert report.ok, report.format()
+    assert report.counts["terminal errors (TakeoverLimitExceeded)"] == 1
+    failed = run_check(History(), completed("A", 10), result="FAILURE:ValueError")
+    assert any("FAILURE:ValueError" in v for v in failed.violations)
