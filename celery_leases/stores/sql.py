@@ -4,8 +4,8 @@ One table holds one row per job (see :func:`lease_table`). Every operation
 is one statement that reads the database's clock itself, so a worker's
 clock is never compared with a lease. What differs between the two
 databases (the clock, the upsert, how a JSON batch becomes rows, how
-transactions begin) lives in ``_Dialect`` (in ``sql_table``) and nowhere else; the statements
-are built in ``sql_statements``.
+transactions begin) lives in ``_Dialect`` (module ``sql_table``) and nowhere
+else; the statements are built in ``sql_statements``.
 
 PostgreSQL runs each statement in driver-level autocommit: an operation is
 one statement, so it is its own transaction and costs one round trip.
@@ -54,6 +54,7 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
+from celery_leases.stores.checks import hide_password
 from celery_leases.stores.sql_statements import _held_by, _Statements
 from celery_leases.stores.sql_table import (
     _POSTGRES,
@@ -325,7 +326,9 @@ class SqlStore(LeaseStore):
         try:
             parsed = sa.make_url(url)
         except (exc.ArgumentError, ValueError) as error:
-            raise LeaseConfigurationError(f"cannot parse the SQL URL {url!r}: {error}") from error
+            raise LeaseConfigurationError(
+                f"cannot parse the SQL URL {hide_password(url)!r}: {hide_password(str(error))}"
+            ) from error
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
         if parsed.get_backend_name() == "postgresql":
