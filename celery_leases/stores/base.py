@@ -7,8 +7,8 @@ times inside a store are integer milliseconds since the Unix epoch on the
 
 Generations (fencing tokens). The first claim of a job that has no record
 gets the store's clock in milliseconds as its generation; every later claim
-adds one. A completed record is purged only when it is older than the
-retention period *and* its generation is below the store's clock at purge
+adds one. A completed or released record is purged only when it is older
+than the retention period *and* its generation is below the store's clock at purge
 time, so a record made again for the same job starts above every generation
 the job ever had (invariant I1), as long as the store's clock does not step
 back across the purge.
