@@ -17,6 +17,7 @@ __all__ = [
     "MAX_OUTCOME_BYTES",
     "MAX_TTL",
     "MIN_RETENTION",
+    "REASON_LIMIT",
     "TEXT_LIMIT",
     "check_generation",
     "check_job_id",
