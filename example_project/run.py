@@ -41,6 +41,8 @@ def _print_report(report: DemoReport) -> None:
     n = report.generation
     start = events[0].at if events else time.time()
     print("\ntimeline of job", report.job_id)
+    if report.roles:
+        print("  A is worker", report.roles["A"], "and B is worker", report.roles["B"])
     print(f"  {'time':>7}  {'who':<5} {'event':<28} generation")
     for event in events:
         label = ""

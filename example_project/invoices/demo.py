@@ -14,6 +14,7 @@ The demo is a check: it exits 0 only if every step happened so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class DemoReport:
     receipt: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
     result_state: str = ""
+    roles: dict[str, str] = field(default_factory=dict)
     error: str = ""
 
     @property
@@ -68,11 +70,17 @@ class DemoReport:
             "receipt": self.receipt,
             "result": self.result,
             "result_state": self.result_state,
+            "roles": self.roles,
             "error": self.error,
         }
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.as_dict(), indent=2))
+
+
+def _with_roles(events: list[Event], roles: dict[str, str]) -> list[Event]:
+    """The events with worker names replaced by their roles (A, B)."""
+    return [dataclasses.replace(e, worker=roles.get(e.worker, e.worker)) for e in events]
 
 
 def _find(events: list[Event], worker: str, event: str) -> Event | None:
@@ -88,7 +96,7 @@ def run_demo(config: Config, report: DemoReport, *, say: Any = print) -> None:
     timeline = Timeline(config.timeline_path)
     ledger = open_ledger(config.ledger_url)
     client = make_app(config)
-    workers = {name: WorkerProcess(name, config) for name in ("A", "B")}
+    workers = {name: WorkerProcess(name, config) for name in ("w1", "w2")}
     try:
         _scenario(config, report, timeline, ledger, client, workers, service, say)
     finally:
@@ -110,32 +118,40 @@ def _scenario(
     service: ReceiptService,
     say: Any,
 ) -> None:
-    a, b = workers["A"], workers["B"]
     invoice_id = add_invoice(ledger, "ACME Ltd", 12_500)
     job_id = report.job_id = str(uuid.uuid4())
     # reading any state creates the result tables before two workers race to
     _ = AsyncResult("warm-up", app=client).state
 
-    say(f"starting workers A and B (broker {config.broker_url}, leases {config.store_url})")
+    say(f"starting two workers (broker {config.broker_url}, leases {config.store_url})")
     for worker in workers.values():
         worker.start()
     for worker in workers.values():
         worker.wait_ready(STEP_TIMEOUT)
-    b.freeze()  # held back so that A takes the first message; resumed below
     client.send_task(CHARGE, args=[invoice_id], task_id=job_id)
-    say(f"sent charge of invoice {invoice_id} as job {job_id}")
+    say(f"sent the charge of invoice {invoice_id} as job {job_id}")
 
     def seen(worker: str, event: str) -> Event | None:
-        return _find(timeline.events(job_id), worker, event)
+        return _find(_with_roles(timeline.events(job_id), roles), worker, event)
 
-    claimed = wait_until(lambda: seen("A", "claimed"), timeout=STEP_TIMEOUT, what="A's claim")
+    # whichever worker claims first plays A
+    roles: dict[str, str] = {}
+    claimed = wait_until(
+        lambda: next((e for e in timeline.events(job_id) if e.event == "claimed"), None),
+        timeout=STEP_TIMEOUT,
+        what="the first claim",
+    )
+    a = workers[claimed.worker]
     a.freeze()
+    (b_name,) = set(workers) - {claimed.worker}
+    b = workers[b_name]
+    roles.update({claimed.worker: "A", b_name: "B"})
+    report.roles = {"A": claimed.worker, "B": b_name}
     timeline.record("demo", "froze A (SIGSTOP)", job_id, claimed.generation)
     report.generation = generation = claimed.generation
-    b.thaw()
     client.send_task(CHARGE, args=[invoice_id], task_id=job_id)
     timeline.record("demo", "sent the charge again", job_id, None, "same task id")
-    say("A froze holding the lease; the charge was sent again; B takes it from here")
+    say(f"A ({a.name}) froze holding the lease; the charge was sent again; B ({b.name}) has it")
 
     result = AsyncResult(job_id, app=client)
     wait_until(lambda: seen("B", "completed"), timeout=STEP_TIMEOUT, what="B's completion")
@@ -151,14 +167,17 @@ def _scenario(
     stored = AsyncResult(job_id, app=make_app(config))
     report.result_state = stored.state
     report.result = stored.result if stored.state == "SUCCESS" else {"error": repr(stored.result)}
-    report.ledger = [entry.__dict__ for entry in entries(ledger)]
+    report.ledger = [
+        {**entry.__dict__, "worker": roles.get(entry.worker, entry.worker)}
+        for entry in entries(ledger)
+    ]
     report.receipt = service.receipts.get(str(invoice_id))
     store = open_store(config.store_url)
     try:
         record = store.get(job_id)
     finally:
         store.close()
-    report.timeline = timeline.events(job_id)
+    report.timeline = _with_roles(timeline.events(job_id), roles)
     _judge(report, generation, first_result, record)
 
 
@@ -210,7 +229,7 @@ def _judge(report: DemoReport, generation: int | None, first_result: Any, record
         report.result_state == "SUCCESS"
         and report.result == first_result
         and isinstance(first_result, dict)
-        and first_result.get("worker") == "B"
+        and first_result.get("worker") == report.roles.get("B")
         and first_result.get("generation") == n + 1,
     )
     report.check(
