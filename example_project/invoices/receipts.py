@@ -101,3 +101,9 @@ def send_receipt(base_url: str, lease: FencingToken, invoice_id: int, body: dict
         if exc.code == 409:
             raise ReceiptRefused(exc.read().decode(errors="replace")) from exc
         raise
+
+
+if __name__ == "__main__":
+    # python -m invoices.receipts: the service on port 8000, for workers run by hand
+    serve(ReceiptService(), port=8000)
+    threading.Event().wait()

@@ -20,6 +20,7 @@ from invoices.receipts import ReceiptService, serve
 from invoices.tasks import make_app
 
 
+# --8<-- [start:fixtures]
 @pytest.fixture
 def receipts() -> Iterator[ReceiptService]:
     service = ReceiptService()
@@ -55,3 +56,6 @@ def ledger(config: Config) -> Iterator[sa.Engine]:
     engine = open_ledger(config.ledger_url)
     yield engine
     engine.dispose()
+
+
+# --8<-- [end:fixtures]

@@ -68,6 +68,7 @@ def test_a_charge_writes_one_ledger_entry_and_a_receipt(
     ]
 
 
+# --8<-- [start:lost-lease]
 @pytest.mark.usefixtures("leases_worker")
 def test_a_lost_lease_writes_nothing_and_records_no_result(
     leases_app: Any,
@@ -107,6 +108,10 @@ def test_a_lost_lease_writes_nothing_and_records_no_result(
     assert AsyncResult(result.id, app=leases_app).state not in ("SUCCESS", "FAILURE")
 
 
+# --8<-- [end:lost-lease]
+
+
+# --8<-- [start:store-down]
 @pytest.mark.usefixtures("leases_worker")
 def test_a_charge_sent_while_the_store_is_down_runs_once_it_is_back(
     leases_app: Any,
@@ -124,6 +129,9 @@ def test_a_charge_sent_while_the_store_is_down_runs_once_it_is_back(
         assert entries(ledger) == []
     assert result.get(timeout=WAIT)["invoice"] == invoice
     assert [e.invoice_id for e in entries(ledger)] == [invoice]
+
+
+# --8<-- [end:store-down]
 
 
 def test_steal_without_a_worker_makes_the_holder_stale(
