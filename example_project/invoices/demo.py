@@ -126,6 +126,8 @@ def _scenario(
     say(f"starting two workers (broker {config.broker_url}, leases {config.store_url})")
     for worker in workers.values():
         worker.start()
+    pids = ", ".join(f"{w.name} {w.pid}" for w in workers.values())
+    say(f"worker process groups: {pids}")
     for worker in workers.values():
         worker.wait_ready(STEP_TIMEOUT)
     client.send_task(CHARGE, args=[invoice_id], task_id=job_id)

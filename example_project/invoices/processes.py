@@ -77,6 +77,12 @@ class WorkerProcess:
                 start_new_session=True,
             )
 
+    @property
+    def pid(self) -> int:
+        """Pid of the worker's main process, also its process group id."""
+        assert self.proc is not None, "worker not started"
+        return self.proc.pid
+
     def log(self) -> str:
         parts = []
         for path in (self.log_path, self.log_path.with_suffix(".out")):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,30 @@ def test_demo_on_redis_and_postgresql(
 ) -> None:
     report = run_demo(tmp_path, "--broker", redis_server.url, "--store", postgres_server.url)
     check_timeline(report)
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    demo = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "example_project" / "run.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None
+        groups: list[int] = []
+        for line in demo.stdout:  # the demo prints the groups before the workers are ready
+            if line.startswith("worker process groups:"):
+                groups = [int(part.split()[1]) for part in line.split(":", 1)[1].split(",")]
+                break
+        assert len(groups) == 2
+        demo.send_signal(signal.SIGINT)
+        rest = demo.communicate(timeout=60)[0]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 130, rest
+    assert "stopped every process" in rest
+    for group in groups:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
