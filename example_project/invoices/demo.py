@@ -17,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+from celery import Celery
 from celery.result import AsyncResult
 
 from celery_leases import LeaseState, open_store
@@ -87,12 +90,12 @@ def _find(events: list[Event], worker: str, event: str) -> Event | None:
     return next((e for e in events if e.worker == worker and e.event == event), None)
 
 
-def run_demo(config: Config, report: DemoReport, *, say: Any = print) -> None:
+def run_demo(config: Config, report: DemoReport, *, say: Callable[[str], None] = print) -> None:
     """Run the scenario on ``config``; fill ``report``. Stops what it started."""
     config.make_folders()
     service = ReceiptService()
     server = serve(service)
-    config = Config(**{**config.__dict__, "receipts_url": f"http://127.0.0.1:{server.server_port}"})
+    config = dataclasses.replace(config, receipts_url=f"http://127.0.0.1:{server.server_port}")
     timeline = Timeline(config.timeline_path)
     ledger = open_ledger(config.ledger_url)
     client = make_app(config)
@@ -112,11 +115,11 @@ def _scenario(
     config: Config,
     report: DemoReport,
     timeline: Timeline,
-    ledger: Any,
-    client: Any,
+    ledger: sa.Engine,
+    client: Celery,
     workers: dict[str, WorkerProcess],
     service: ReceiptService,
-    say: Any,
+    say: Callable[[str], None],
 ) -> None:
     invoice_id = add_invoice(ledger, "ACME Ltd", 12_500)
     job_id = report.job_id = str(uuid.uuid4())

@@ -54,7 +54,7 @@ def make_app(config: Config) -> Celery:
 
     timeline = Timeline(config.timeline_path)
 
-    @app.task(base=LeasedTask, bind=True, name=CHARGE, shared=False)
+    @app.task(base=LeasedTask, bind=True, name=CHARGE, shared=False)  # type: ignore[untyped-decorator]
     def charge_invoice(self: Any, invoice_id: int) -> dict[str, Any]:
         """Charge one invoice: a ledger entry, then a receipt, both fenced."""
         lease = self.lease
