@@ -29,7 +29,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", default="", help="result backend URL")
     parser.add_argument("--store", default="", help="lease store URL (default: SQLite)")
     parser.add_argument("--ledger", default="", help="ledger database URL (default: SQLite)")
-    parser.add_argument("--ttl", type=float, default=3.0, help="lease TTL in seconds")
+    # long enough for B to receive the copy while A's lease is live on a busy machine
+    parser.add_argument("--ttl", type=float, default=4.0, help="lease TTL in seconds")
+    parser.add_argument(
+        "--work", type=float, default=2.0, help="seconds a charge prepares before it writes"
+    )
     parser.add_argument("--data-dir", type=Path, help="folder for files and logs (default: temp)")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the data folder")
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         store=args.store,
         ledger=args.ledger,
         ttl=args.ttl,
+        work_seconds=args.work,
         queue=f"invoices-{int(time.time() * 1000)}",
     )
 
