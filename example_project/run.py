@@ -59,7 +59,11 @@ def _print_report(report: DemoReport) -> None:
     for entry in report.ledger or [{"(empty)": ""}]:
         print("  ", entry)
     print("receipt:", report.receipt)
-    print(f"stored result ({report.result_state}):", report.result)
+    result = report.result
+    if isinstance(result, dict) and report.roles:
+        role = {name: role for role, name in report.roles.items()}.get(result.get("worker"))
+        result = {**result, "worker": f"{result.get('worker')} ({role})"}
+    print(f"stored result ({report.result_state}):", result)
     print("\nchecks:")
     for name, ok in report.checks:
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")
