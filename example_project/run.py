@@ -61,7 +61,7 @@ def _print_report(report: DemoReport) -> None:
     print("receipt:", report.receipt)
     result = report.result
     if isinstance(result, dict) and report.roles:
-        role = {name: role for role, name in report.roles.items()}.get(result.get("worker"))
+        role = {name: role for role, name in report.roles.items()}.get(str(result.get("worker")))
         result = {**result, "worker": f"{result.get('worker')} ({role})"}
     print(f"stored result ({report.result_state}):", result)
     print("\nchecks:")
