@@ -122,7 +122,9 @@ class LeaseFaults:
         if record is not None and record.lease_until_ms >= self.clock.now_ms:
             self.clock.advance((record.lease_until_ms - self.clock.now_ms + 1) / 1000)
 
-    def steal(self, lease: Lease | Acquired | str, *, ttl: float = 60.0) -> Acquired:
+    def steal(
+        self, lease: Lease | Acquired | str, *, ttl: float = 60.0, grace: float = 10.0
+    ) -> Acquired:
         """Claim the job as another worker would once the lease ran out.
 
         The present holder becomes stale: its renewals, its completion and
@@ -130,14 +132,20 @@ class LeaseFaults:
         token of the newer generation (pass it to fenced writes to act as
         the newer holder).
 
+        Args:
+            lease: the lease, a claim, or a job id.
+            ttl: the stolen lease's TTL in seconds.
+            grace: on a real store, how long past the holder's remaining
+                time to wait for its lease to run out.
+
         Raises:
             LeaseConfigurationError: the job is completed.
             TimeoutError: on a real store, the lease did not run out within
-                its remaining time plus 10 s.
+                its remaining time plus ``grace`` (its holder keeps renewing).
         """
         job_id = self._job_id(lease)
         owner = f"pytest-steal:{secrets.token_hex(8)}"
-        deadline = time.monotonic() + 10.0
+        deadline: float | None = None
         while True:
             if self.clock is not None:
                 self.expire(job_id)
@@ -147,9 +155,15 @@ class LeaseFaults:
             remaining = getattr(result, "remaining", None)
             if remaining is None:
                 raise LeaseConfigurationError(f"cannot steal job {job_id!r}: {result!r}")
-            deadline = max(deadline, time.monotonic() + float(remaining) + 10.0)
+            if deadline is None:
+                # fixed at the first answer: a holder that keeps renewing must not
+                # keep this waiting
+                deadline = time.monotonic() + float(remaining) + grace
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"the lease on job {job_id!r} did not run out")
+                raise TimeoutError(
+                    f"the lease on job {job_id!r} did not run out: its holder keeps "
+                    "renewing it (stop that worker, or test on the memory store)"
+                )
             time.sleep(min(float(remaining) + 0.01, 0.1))
 
     def lose(self, lease: Lease, *, timeout: float = 10.0) -> Acquired:

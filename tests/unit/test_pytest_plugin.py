@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,27 @@ def test_a_store_url_from_the_environment_is_used(
     assert isinstance(first, Acquired)
     # a real clock: steal waits for the lease to run out, then claims
     assert faults.steal("job").generation == first.generation + 1
+
+
+def test_steal_gives_up_on_a_holder_that_keeps_renewing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    monkeypatch.setenv(ENV_STORE, f"sqlite:///{tmp_path / 'leases.db'}")
+    store = request.getfixturevalue("lease_store")
+    faults: LeaseFaults = request.getfixturevalue("lease_faults")
+    first = store.claim("job", "owner-a", 0.4)
+    assert isinstance(first, Acquired)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(0.1):
+            store.renew("job", "owner-a", first.generation, 0.4)
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        with pytest.raises(TimeoutError, match="keeps renewing"):
+            faults.steal("job", grace=0.5)
+    finally:
+        stop.set()
+        renewer.join(timeout=10)
