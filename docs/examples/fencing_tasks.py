@@ -3,7 +3,8 @@
 The app and its targets come from environment variables (the tests set
 them): ``FENCING_DB`` (a SQLAlchemy URL; the lease store lives there too),
 ``FENCING_REDIS`` (a Redis URL) and ``FENCING_SERVICE`` (the base URL of
-``fenced_service.py``).
+``fenced_service.py``). The tasks are ``shared=False``: the tests load this
+module next to other apps, which must not receive these tasks.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ SERVICE = os.environ.get("FENCING_SERVICE", "http://127.0.0.1:8000")
 fences = create_fence_table(engine)  # table celery_leases_fences
 
 
-@app.task(base=LeasedTask, bind=True)
+@app.task(base=LeasedTask, bind=True, shared=False)
 def set_balance(self: LeasedTask, account: str, balance: int) -> None:
     with engine.begin() as conn:  # one transaction: the fence and the write
         fenced_execute(
@@ -77,7 +78,7 @@ def set_balance(self: LeasedTask, account: str, balance: int) -> None:
 
 
 # --8<-- [start:fence-column]
-@app.task(base=LeasedTask, bind=True)
+@app.task(base=LeasedTask, bind=True, shared=False)
 def write_report(self: LeasedTask, report_id: int, body: str) -> None:
     with engine.begin() as conn:
         # insert the row, or update it if no newer generation wrote it
@@ -91,7 +92,7 @@ def write_report(self: LeasedTask, report_id: int, body: str) -> None:
 
 
 # --8<-- [start:transaction]
-@app.task(base=LeasedTask, bind=True)
+@app.task(base=LeasedTask, bind=True, shared=False)
 def record_total(self: LeasedTask, total: int) -> None:
     with fenced_transaction(store, self.lease) as conn:
         conn.execute(sa.insert(results).values(job_id=self.lease.job_id, total=total))
@@ -104,7 +105,7 @@ def record_total(self: LeasedTask, total: int) -> None:
 fence = RedisFence(redis_client)  # prefix "celery_leases:"
 
 
-@app.task(base=LeasedTask, bind=True)
+@app.task(base=LeasedTask, bind=True, shared=False)
 def export_report(self: LeasedTask, report_id: int, body: str) -> None:
     fence.set(f"report:{report_id}", body, self.lease, ex=3600)
     fence.hset(f"job-status:{report_id}", {"state": "done", "rows": "118"}, self.lease)
@@ -115,7 +116,7 @@ def export_report(self: LeasedTask, report_id: int, body: str) -> None:
 
 
 # --8<-- [start:http]
-@app.task(base=LeasedTask, bind=True)
+@app.task(base=LeasedTask, bind=True, shared=False)
 def publish(self: LeasedTask, name: str, body: str) -> int:
     response = httpx.put(f"{SERVICE}/values/{name}", content=body, auth=FencingAuth(self.lease))
     response.raise_for_status()
