@@ -36,12 +36,14 @@ import pytest
 from celery import Celery, _state
 
 import celery_leases
-from celery_leases import LeasedTask, signals
+from celery_leases import LeasedTask, open_store, signals
 from celery_leases.worker import release_held_leases
 
 BASELINE = os.environ.get("LEASES_SUITE_BASELINE", "") not in ("", "0")
 STORE_URL = os.environ.get("LEASES_SUITE_STORE", "memory://")
 REPORT = os.environ.get("LEASES_SUITE_REPORT", "")
+#: leave the heartbeat running after each test, to see the suite's thread check
+KEEP_HEARTBEAT = os.environ.get("LEASES_SUITE_KEEP_HEARTBEAT", "") not in ("", "0")
 
 #: worst outcome wins when a test reports several phases (or subtests)
 _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "xpassed": 2, "failed": 3, "error": 4}
@@ -64,6 +66,10 @@ class _Tally:
         self.plain: Counter[str] = Counter()
         self.claims = 0
         self.apps = 0
+        #: apps made before the suite ran (another plugin's) are not counted
+        self.before: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: lease records in a shared store at the end (runs in worker processes)
+        self.records: int | None = None
 
     def outcome(self, nodeid: str, outcome: str, message: str | None) -> None:
         if _RANK[outcome] >= _RANK.get(self.outcomes.get(nodeid, "passed"), 0):
@@ -74,6 +80,8 @@ class _Tally:
     def scan_apps(self) -> None:
         """Count the tasks of every live app once: leased or not, built-in or not."""
         for app in list(_state._apps):
+            if app in self.before:
+                continue
             if app not in self.seen_apps:
                 self.seen_apps.add(app)
                 self.apps += 1
@@ -131,6 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
             f"celery is imported from the unpacked sdist ({celery_dir}), not from the "
             "installed package; unpack only t/ and pyproject.toml"
         )
+    _tally.before.update(_state._apps)
     if BASELINE:
         return
     _patch_celery()
@@ -151,7 +160,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         # before any fixture's teardown, so the suite's lingering-thread check
         # sees the heartbeat stopped; counted before the test's apps are freed
         _tally.scan_apps()
-        if not BASELINE:
+        if not BASELINE and not KEEP_HEARTBEAT:
             _stop_leases()
 
 
@@ -173,6 +182,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _tally.outcome(report.nodeid, outcome, message)
 
 
+def _count_records() -> int | None:
+    """Lease records in the store, when it is shared (the memory store is per app)."""
+    if BASELINE or STORE_URL.startswith("memory:"):
+        return None
+    with open_store(STORE_URL) as store:
+        return sum(1 for _ in store.records())
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     mode = "baseline (plain Celery)" if BASELINE else f"leased (store {STORE_URL})"
     terminalreporter.section("celery-leases suite")
@@ -181,13 +198,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         f"apps made: {_tally.apps}; tasks seen: {dict(sorted(_tally.tasks.items()))}; "
         f"leased runs (claims in this process): {_tally.claims}"
     )
+    if _tally.records is not None:
+        terminalreporter.write_line(f"lease records in {STORE_URL}: {_tally.records}")
     if _tally.plain:
-        terminalreporter.write_line(
-            f"tasks with an explicit non-leased base, by base: {dict(_tally.plain)}"
-        )
+        terminalreporter.write_line(f"tasks not leased, by base class: {dict(_tally.plain)}")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    # runs before the terminal summary, which prints the count
+    _tally.records = _count_records()
     if not REPORT:
         return
     data = {
@@ -199,6 +218,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "tasks": dict(_tally.tasks),
         "plain_bases": dict(_tally.plain),
         "claims": _tally.claims,
+        "records": _tally.records,
         "apps": _tally.apps,
     }
     Path(REPORT).write_text(json.dumps(data, indent=1, sort_keys=True))
