@@ -53,7 +53,7 @@ PROFILES = {
     "unit": Profile(paths=("t/unit/tasks",), needs=()),
     "integration": Profile(
         paths=("t/integration/test_tasks.py", "t/integration/test_canvas.py"),
-        needs=("pydantic", "pytest-rerunfailures"),
+        needs=("pydantic",),
         redis=True,
     ),
 }
