@@ -49,7 +49,7 @@ KEEP_HEARTBEAT = os.environ.get("LEASES_SUITE_KEEP_HEARTBEAT", "") not in ("", "
 _RANK = {"passed": 0, "skipped": 1, "xfailed": 1, "xpassed": 2, "failed": 3, "error": 4}
 
 
-class SuiteTask(LeasedTask):  # type: ignore[misc]  # celery ships no type hints
+class SuiteTask(LeasedTask):
     """The default task class of every app the suite makes (unchanged LeasedTask)."""
 
 

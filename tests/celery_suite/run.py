@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "celery-suite"
@@ -201,25 +202,25 @@ def read_expected(path: Path = EXPECTED) -> dict[str, str]:
     return expected
 
 
-def compare(report: dict[str, object], expected: dict[str, str], baseline: bool) -> list[str]:
+def compare(report: dict[str, Any], expected: dict[str, str], baseline: bool) -> list[str]:
     """Problems: unlisted failures, and listed tests that ran and did not fail."""
-    outcomes: dict[str, str] = report["outcomes"]  # type: ignore[assignment]
-    messages: dict[str, str] = report["messages"]  # type: ignore[assignment]
+    outcomes: dict[str, str] = report["outcomes"]
+    messages: dict[str, str] = report["messages"]
     if baseline:
         expected = {k: v for k, v in expected.items() if v.startswith("env:")}
-    problems = []
+    problems: list[str] = []
     for nodeid, outcome in sorted(outcomes.items()):
         if outcome in FAILING and nodeid not in expected:
             problems.append(f"not listed, {outcome}: {nodeid}\n    {messages.get(nodeid, '')}")
     for nodeid, reason in sorted(expected.items()):
-        outcome = outcomes.get(nodeid)
-        if outcome is not None and outcome not in FAILING:
-            problems.append(f"listed but {outcome} now (remove it): {nodeid}\n    ({reason})")
+        ran = outcomes.get(nodeid)
+        if ran is not None and ran not in FAILING:
+            problems.append(f"listed but {ran} now (remove it): {nodeid}\n    ({reason})")
     return problems
 
 
-def summarize(report: dict[str, object], mode: str, seconds: float) -> str:
-    counts = Counter(report["outcomes"].values())  # type: ignore[attr-defined]
+def summarize(report: dict[str, Any], mode: str, seconds: float) -> str:
+    counts: Counter[str] = Counter(report["outcomes"].values())
     parts = ", ".join(
         f"{name} {counts.get(name, 0)}"
         for name in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
@@ -256,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         "-p", "no:cacheprovider", "--disable-warnings", "--tb=short", "-q",
         *profile.paths, *args.pytest_args,
     ]  # fmt: skip
+    pythonpath = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     started = time.monotonic()
     with redis_env(profile.redis) as server_env:
         env = {
             **os.environ,
             **server_env,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join([str(REPO), *pythonpath]),
             "LEASES_SUITE_REPORT": str(report_path),
             "LEASES_SUITE_BASELINE": "1" if args.baseline else "0",
         }
