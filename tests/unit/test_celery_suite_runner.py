@@ -56,6 +56,10 @@ def test_an_unlisted_teardown_error_is_a_problem() -> None:
     assert "not listed, error" in problems[0]
 
 
+def test_a_non_strict_xfail_that_passes_is_fine() -> None:
+    assert compare(_report(**{"t/a.py::x": "xpassed"}), {}, False) == []
+
+
 def test_a_listed_failure_is_fine() -> None:
     expected = {"t/a.py::x": "core: bug"}
     assert compare(_report(**{"t/a.py::x": "failed"}), expected, False) == []
