@@ -7,8 +7,8 @@ times inside a store are integer milliseconds since the Unix epoch on the
 
 Generations (fencing tokens). The first claim of a job that has no record
 gets the store's clock in milliseconds as its generation; every later claim
-adds one. A completed record is purged only when it is older than the
-retention period *and* its generation is below the store's clock at purge
+adds one. A completed or released record is purged only when it is older
+than the retention period *and* its generation is below the store's clock at purge
 time, so a record made again for the same job starts above every generation
 the job ever had (invariant I1), as long as the store's clock does not step
 back across the purge.
@@ -280,8 +280,9 @@ class LeaseStore(abc.ABC):
     ) -> Iterator[LeaseRecord]:
         """Iterate over records, optionally only those in ``state``.
 
-        ``state`` is a :class:`LeaseState` or its value (``"held"``, ...).
-        A record that cannot be read is skipped with a logged warning. Not a
+        ``state`` is a :class:`LeaseState` or its value (``"held"``, ...);
+        the arguments are checked at the call, before iterating. A record
+        that cannot be read is skipped with a logged warning. Not a
         snapshot: records changed during the iteration may or may not be
         seen in their new form.
         """
@@ -290,10 +291,15 @@ class LeaseStore(abc.ABC):
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise LeaseConfigurationError(f"limit must be an integer >= 0, got {limit!r}")
+        return self._readable_records(wanted, limit)
+
+    def _readable_records(
+        self, state: LeaseState | None, limit: int | None
+    ) -> Iterator[LeaseRecord]:
         if limit == 0:
             return
         count = 0
-        for record in self._records(wanted):
+        for record in self._records(state):
             if isinstance(record, LeaseRecordUnreadable):
                 logger.warning(
                     "skipping the unreadable lease record of job %r in %s: %s",
