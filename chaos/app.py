@@ -12,76 +12,26 @@ before it is sent and after its answer, and the lease signals.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
-from celery import Celery
 
 import celery_leases.runtime
 from celery_leases import LeasedTask, LeaseLost, LeaseStore, StaleFencingToken, open_store
 from celery_leases import signals as lease_signals
 from celery_leases.fencing import FencingToken, Token
+from chaos.config import JOB, ChaosConfig, make_app
 from chaos.history import History
 from chaos.recording import RecordingStore
 from chaos.targets import RedisTarget, SqlTarget
 
 __all__ = ["JOB", "ChaosConfig", "app", "make_app"]
 
-JOB = "chaos.job"
-
 #: variants the task body implements (the store variants live in chaos.recording)
 BODY_VARIANTS = frozenset({"unfenced-target", "ignore-deadline"})
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    """What a chaos worker (and the runner's client app) needs."""
-
-    broker: str = "redis://127.0.0.1:6379/0"
-    queue: str = "chaos"
-    store: str = "memory://"
-    store_options: dict[str, Any] = field(default_factory=dict)
-    ttl: float = 1.5
-    visibility_timeout: float = 3600.0
-    history: str = "chaos-out/history"
-    sql_target: str = ""
-    redis_target: str = ""
-    variant: str = ""
-
-    def to_env(self) -> dict[str, str]:
-        return {"CHAOS_CONFIG": json.dumps(asdict(self))}
-
-    @classmethod
-    def from_env(cls) -> ChaosConfig:
-        raw = os.environ.get("CHAOS_CONFIG")
-        return cls(**json.loads(raw)) if raw else cls()
-
-
-def make_app(config: ChaosConfig) -> Celery:
-    """A Celery app on the config's broker (also the result backend) and store."""
-    celery_app = Celery("chaos", broker=config.broker, backend=config.broker)
-    celery_app.conf.update(
-        task_acks_late=True,
-        worker_prefetch_multiplier=1,
-        task_default_queue=config.queue,
-        broker_connection_retry_on_startup=True,
-        broker_transport_options={
-            "visibility_timeout": config.visibility_timeout,
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-        },
-        result_expires=None,
-        leases_store=config.store,
-        leases_store_options=config.store_options,
-        leases_ttl=config.ttl,
-        leases_defer_max=max(2 * config.ttl, 2.0),
-    )
-    return celery_app
 
 
 def skew_wall_clock(spec: str) -> None:
@@ -171,7 +121,7 @@ def _write(lease: Any, step: int, *, late_remaining: float | None = None) -> Non
             history.record("write-result", call=call, outcome="accepted")
 
 
-@app.task(base=LeasedTask, bind=True, name=JOB)  # type: ignore[untyped-decorator]
+@app.task(base=LeasedTask, bind=True, name=JOB, shared=False)  # type: ignore[untyped-decorator]
 def job(self: Any, seconds: float, writes: int) -> dict[str, Any]:
     """Run ``seconds`` in ``writes`` slices, writing every target after each slice."""
     lease = self.lease

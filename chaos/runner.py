@@ -16,8 +16,8 @@ from celery.result import AsyncResult
 
 from celery_leases import LeaseRecord, LeaseState, open_store
 from celery_leases.sending import keeping_send_id
-from chaos.app import JOB, ChaosConfig, make_app
 from chaos.checker import Report, check
+from chaos.config import JOB, ChaosConfig, make_app
 from chaos.history import History, read_history
 from chaos.nemesis import Nemesis, StoreControl
 from chaos.targets import RedisTarget, SqlTarget
