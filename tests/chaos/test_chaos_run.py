@@ -7,7 +7,7 @@ seeded nemesis that pauses pool processes and whole workers past their
 lease, kills them, sends duplicates, partitions the workers from the store
 and kills the store; the checker must find no violation.
 
-The broken variants each need a run of their own (about 40 s each), so
+The broken variants each need a run of their own (about 30 s each), so
 they run when ``LEASES_CHAOS_VARIANTS=1`` is set; the checker's detection
 of each one is also shown on hand-made histories in ``test_checker.py``.
 """
@@ -65,7 +65,7 @@ VARIANTS = {
 
 @pytest.mark.skipif(
     os.environ.get("LEASES_CHAOS_VARIANTS") != "1",
-    reason="a run per broken variant (about 4 min): set LEASES_CHAOS_VARIANTS=1",
+    reason="a run per broken variant (about 3 min in all): set LEASES_CHAOS_VARIANTS=1",
 )
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("variant", "invariant"), sorted(VARIANTS.items()))
