@@ -114,6 +114,30 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def copy_files(self) -> Path:
+        """A copy of the data folder as it is now (AOF and RDB files).
+
+        With ``appendfsync everysec`` a power loss keeps what was synced up
+        to a second ago; putting back this copy before :meth:`start` is
+        that loss, made on purpose.
+        """
+        copy = Path(tempfile.mkdtemp(prefix="leases-redis-copy-")) / "data"
+        shutil.copytree(self.dir, copy, ignore=shutil.ignore_patterns("*.log"))
+        return copy
+
+    def put_back(self, copy: Path) -> None:
+        """Replace the data folder with ``copy`` (the server is stopped)."""
+        assert self.proc is None, "stop or kill the server first"
+        for entry in self.dir.iterdir():
+            if entry.name.endswith(".log"):
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        shutil.copytree(copy, self.dir, dirs_exist_ok=True)
+        shutil.rmtree(copy.parent, ignore_errors=True)
+
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -138,8 +162,10 @@ class PostgresServer:
     it exists, else ``nobody``), since PostgreSQL refuses to run as root.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *settings: str) -> None:
         self.bin = find_postgres_bin()
+        #: extra ``name=value`` server settings, given as ``-c`` options
+        self.settings = settings
         self.root = Path(tempfile.mkdtemp(prefix="leases-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -179,6 +205,7 @@ class PostgresServer:
             f"-c unix_socket_directories={self.root} -c fsync=off "
             "-c max_connections=200 -c synchronous_commit=off"
         )
+        options += "".join(f" -c {setting}" for setting in self.settings)
         self._run(
             str(self.bin / "pg_ctl"),
             "-D", str(self.data),

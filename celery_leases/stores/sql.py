@@ -215,6 +215,9 @@ class _Dialect:
     #: true when a column holds a whole number (SQLite keeps any value in any
     #: column, and then 'abc' + 1 is 1)
     whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
+    #: the larger of two integers (GREATEST in PostgreSQL, two-argument
+    #: max() in SQLite)
+    greatest: Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[int]]
 
     def now_ms(self) -> ColumnElement[int]:
         """The database's clock in ms, as a column expression."""
@@ -265,6 +268,14 @@ def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
     return None
 
 
+def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
+    return sa.func.greatest(a, b, type_=sa.BigInteger)
+
+
+def _sqlite_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
+    return sa.func.max(a, b, type_=sa.BigInteger)
+
+
 def _postgres_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
     return sa.true()  # a BIGINT column holds nothing else
 
@@ -282,6 +293,7 @@ _POSTGRES = _Dialect(
     read_options={"isolation_level": "AUTOCOMMIT"},
     lock_for_ddl=_postgres_lock_for_ddl,
     whole=_postgres_whole,
+    greatest=_postgres_greatest,
 )
 
 _SQLITE = _Dialect(
@@ -293,6 +305,7 @@ _SQLITE = _Dialect(
     read_options={_READ_ONLY_OPTION: True},
     lock_for_ddl=_sqlite_lock_for_ddl,
     whole=_sqlite_whole,
+    greatest=_sqlite_greatest,
 )
 
 
@@ -487,9 +500,12 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     A new row gets generation = now. An existing row is taken over only if
     it is released, held with a lease that ran out, or completed under
     another send id than a given ``:p_send_id`` (a new run); then its
-    generation goes up by one and a held one counts as a takeover (a new run
-    starts counting again). The clock is read once, in ``n``; the DO UPDATE
-    reads it back as ``excluded.claimed_at``.
+    generation becomes ``max(generation + 1, now)`` and a held one counts as
+    a takeover (a new run starts counting again). The clock bound keeps
+    generations above every one handed out before when the database lost
+    its last commits (``synchronous_commit=off``, a promoted replica). The
+    clock is read once, in ``n``; the DO UPDATE reads it back as
+    ``excluded.claimed_at``.
     """
     t = table
     n = _now_row(dialect)
@@ -533,7 +549,7 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
         index_elements=[t.c.job_id],
         set_={
             "owner": insert.excluded.owner,
-            "generation": t.c.generation + 1,
+            "generation": dialect.greatest(t.c.generation + 1, now),
             "lease_until": insert.excluded.lease_until,
             "state": held,
             "task_name": insert.excluded.task_name,
@@ -698,8 +714,6 @@ class _Statements:
                         sa.func.coalesce(t.c.released_at, t.c.lease_until) <= purge_before,
                     ),
                 ),
-                # a record made again later starts at the clock then: above this
-                t.c.generation < purge_now,
                 dialect.whole(t.c.generation),
             ),
         )
