@@ -23,6 +23,7 @@ from pathlib import Path
 __all__ = [
     "PostgresServer",
     "RedisServer",
+    "SentinelGroup",
     "ServerMissing",
     "find_postgres_bin",
     "free_port",
@@ -227,3 +228,124 @@ class PostgresServer:
     def close(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _sentinel_command() -> list[str]:
+    binary = shutil.which("redis-sentinel")
+    if binary is not None:
+        return [binary]
+    server = shutil.which("redis-server")
+    if server is None:
+        raise ServerMissing("redis-sentinel is not installed (apt-get install redis-sentinel)")
+    return [server]  # redis-sentinel is redis-server started with --sentinel
+
+
+class SentinelGroup:
+    """One master, one replica and three sentinels watching them.
+
+    Each process is a real server on a free port; sentinels decide a master
+    is down after ``down_after_ms`` and fail over to the replica.
+    """
+
+    MASTER_NAME = "leases-master"
+
+    def __init__(self, down_after_ms: int = 1000) -> None:
+        self.master = RedisServer("--appendfsync", "everysec")
+        self.replica = RedisServer(
+            "--appendfsync", "everysec", "--replicaof", "127.0.0.1", str(self.master.port)
+        )
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        self.sentinel_ports: list[int] = []
+        self.dir = Path(tempfile.mkdtemp(prefix="leases-sentinel-"))
+        try:
+            self._start_sentinels(down_after_ms)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_sentinels(self, down_after_ms: int) -> None:
+        command = _sentinel_command()
+        for number in range(3):
+            port = free_port()
+            config = self.dir / f"sentinel-{number}.conf"
+            config.write_text(
+                f"port {port}\n"
+                "bind 127.0.0.1\n"
+                f"dir {self.dir}\n"
+                f"logfile {self.dir / f'sentinel-{number}.log'}\n"
+                f"sentinel monitor {self.MASTER_NAME} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER_NAME} {down_after_ms}\n"
+                f"sentinel failover-timeout {self.MASTER_NAME} 10000\n"
+                f"sentinel parallel-syncs {self.MASTER_NAME} 1\n"
+            )
+            args = [*command, str(config)]
+            if not command[0].endswith("redis-sentinel"):
+                args.append("--sentinel")
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _wait_for_port(port, proc)
+            self.sentinels.append(proc)
+            self.sentinel_ports.append(port)
+
+    def sentinel(self, *command: str, port: int | None = None) -> str:
+        """The reply of a sentinel (the first by default) to ``command``, as text."""
+        reply = subprocess.run(
+            ["redis-cli", "-p", str(port or self.sentinel_ports[0]), *command],
+            check=True, capture_output=True, text=True, timeout=5,
+        )  # fmt: skip
+        return reply.stdout
+
+    def wait_ready(self, timeout: float = 40.0) -> None:
+        """Wait until every sentinel knows the replica and the other sentinels."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = all(
+                "OK" in self.sentinel("SENTINEL", "ckquorum", self.MASTER_NAME, port=port)
+                and str(self.replica.port)
+                in self.sentinel("SENTINEL", "replicas", self.MASTER_NAME, port=port)
+                for port in self.sentinel_ports
+            )
+            if ready:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the sentinels did not see each other within {timeout} s")
+
+    def wait_master(self, port: int, timeout: float = 40.0) -> None:
+        """Wait until the sentinels name the server on ``port`` as the master."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.master_port() == port:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"no failover to port {port} within {timeout} s")
+
+    @property
+    def url(self) -> str:
+        """The sentinels, as kombu spells them."""
+        return ";".join(f"sentinel://127.0.0.1:{port}" for port in self.sentinel_ports)
+
+    def master_port(self) -> int | None:
+        """The master's port according to the first sentinel that answers."""
+        for port in self.sentinel_ports:
+            with contextlib.suppress(OSError, subprocess.CalledProcessError):
+                reply = subprocess.run(
+                    ["redis-cli", "-p", str(port), "SENTINEL", "get-master-addr-by-name",
+                     self.MASTER_NAME],
+                    check=True, capture_output=True, text=True, timeout=5,
+                )  # fmt: skip
+                lines = reply.stdout.split()
+                if len(lines) == 2:
+                    return int(lines[1])
+        return None
+
+    def close(self) -> None:
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.replica.close()
+        self.master.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -14,7 +14,7 @@ from celery_leases.stores.base import LeaseStore
 
 __all__ = ["LeaseStore", "open_store"]
 
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
 
 
@@ -31,7 +31,9 @@ def open_store(url: str, **options: Any) -> LeaseStore:
     """Open the lease store that ``url`` names.
 
     Args:
-        url: ``redis://``, ``rediss://`` or ``unix://`` for Redis;
+        url: ``redis://``, ``rediss://`` or ``unix://`` for Redis, or
+            ``sentinel://host:26379;sentinel://host2:26379`` (with the
+            ``master_name=`` option) for Redis behind Sentinel;
             ``postgresql+psycopg://`` or ``sqlite:///path`` for SQL;
             ``memory://`` for the in-process testing store.
         **options: passed to the store's ``from_url`` (for example
@@ -81,5 +83,5 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
         return SqlStore.from_url(url, **options)
     raise LeaseConfigurationError(
         f"unknown lease store scheme {scheme!r} in {mask_url(url)!r}; use one of "
-        "redis://, rediss://, unix://, postgresql+psycopg://, sqlite:///, memory://"
+        "redis://, rediss://, unix://, sentinel://, postgresql+psycopg://, sqlite:///, memory://"
     )
