@@ -22,6 +22,7 @@ from pathlib import Path
 
 __all__ = [
     "PostgresServer",
+    "RedisCluster",
     "RedisServer",
     "SentinelGroup",
     "ServerMissing",
@@ -349,3 +350,81 @@ class SentinelGroup:
         self.replica.close()
         self.master.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisCluster:
+    """A Redis Cluster of 3 masters and 3 replicas, each a redis-server on a free port."""
+
+    def __init__(self) -> None:
+        self.nodes: list[RedisServer] = []
+        try:
+            for _ in range(6):
+                # the bus port is set: port + 10000 may be above 65535
+                node_args = [
+                    "--cluster-enabled", "yes",
+                    "--cluster-port", str(free_port()),
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", "1000",
+                    "--appendfsync", "everysec",
+                ]  # fmt: skip
+                self.nodes.append(RedisServer(*node_args))
+            self.cli(
+                "--cluster", "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas", "1", "--cluster-yes",
+            )  # fmt: skip
+            self.wait_ok()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The URL of the store: any one node; the client finds the others."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def cli(self, *args: str, timeout: float = 60.0) -> str:
+        reply = subprocess.run(
+            ["redis-cli", *args], check=True, capture_output=True, text=True, timeout=timeout
+        )
+        return reply.stdout
+
+    def node_cli(self, port: int, *args: str) -> str:
+        return self.cli("-p", str(port), *args)
+
+    def live_nodes(self) -> list[RedisServer]:
+        return [node for node in self.nodes if node.proc is not None]
+
+    def wait_ok(self, timeout: float = 60.0) -> None:
+        """Wait until every live node reports cluster_state:ok and agrees on the slots."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.SubprocessError):
+                if all(
+                    "cluster_state:ok" in self.node_cli(node.port, "CLUSTER", "INFO")
+                    for node in self.live_nodes()
+                ):
+                    check = self.cli("--cluster", "check", f"127.0.0.1:{self.live_nodes()[0].port}")
+                    if "[OK] All 16384 slots covered" in check and "[ERR]" not in check:
+                        return
+            time.sleep(0.2)
+        raise RuntimeError(f"the cluster was not ok within {timeout} s")
+
+    def node_of_slot(self, slot: int) -> RedisServer:
+        """The live master that serves ``slot``."""
+        for node in self.live_nodes():
+            with contextlib.suppress(subprocess.SubprocessError):
+                for line in self.node_cli(node.port, "CLUSTER", "NODES").splitlines():
+                    fields = line.split()
+                    if "master" not in fields[2] or "fail" in fields[2]:
+                        continue
+                    for span in fields[8:]:
+                        low, _, high = span.partition("-")
+                        if low.isdigit() and int(low) <= slot <= int(high or low):
+                            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                            return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no live master serves slot {slot}")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()

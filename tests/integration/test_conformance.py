@@ -32,7 +32,7 @@ from celery_leases import (
 from celery_leases.stores.memory import MemoryStore
 from celery_leases.stores.redis import RedisStore
 from celery_leases.stores.sql import SqlStore
-from tests.conftest import StoreFactory
+from tests.conftest import STORE_KINDS, StoreFactory
 
 JOB = "job-1"
 A = "worker-a"
@@ -46,6 +46,12 @@ MARGIN_MS = 150
 # --- writing records behind the store's back --------------------------------
 # purge_completed keeps records for at least a minute; instead of waiting, the
 # purge tests age a record by editing it directly in the store's storage.
+
+
+@pytest.fixture(params=[*STORE_KINDS, "redis-cluster"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every store, and the Redis store on a cluster of 3 masters and 3 replicas."""
+    return str(request.param)
 
 
 def backdate_completion(store: LeaseStore, job_id: str, seconds: float) -> None:
