@@ -500,8 +500,8 @@ def test_fenced_transaction_serializes_with_a_concurrent_claim(
         rounds.append(outcome)
         with store_a.engine.connect() as conn:
             written = conn.execute(sa.select(results).where(results.c.job_id == job_id)).all()
-        # B always ends up with the next generation
-        assert outcome.generation_b == outcome.generation_a + 1
+        # B always ends up with a later generation
+        assert outcome.generation_b > outcome.generation_a
         assert outcome.committed != (outcome.refused is not None)
         if outcome.committed:
             # A's write committed while A still held the job: no claim by B

@@ -230,6 +230,15 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
             token = Token(token.job_id, impostor or token.owner, token.generation)
             fresh = self.matches(token)
             result = store.complete(token.job_id, token.owner, token.generation)
+            record = self.model.get(token.job_id)
+            if (
+                record is not None
+                and record.state is LeaseState.COMPLETED
+                and (record.owner, record.generation) == (token.owner, token.generation)
+            ):
+                # the same completion again (a lost reply resent): rule 6
+                assert result == Completed(token.job_id, token.generation)
+                return
             if not fresh:
                 self.check_refusal(result, token)
                 return

@@ -249,7 +249,7 @@ def test_a_run_lost_by_its_deadline_releases_so_the_copy_runs_without_a_takeover
         [fenced] = recorder.of("lease_fenced_out")
         record = store_for(app).get(result.id)
     assert fenced["reason"] == "deadline"
-    assert generation == second == first + 1
+    assert generation == second > first
     assert record is not None
     assert record.takeovers == 0  # the fenced-out run gave its lease back
 
