@@ -26,8 +26,9 @@ from celery_leases.errors import LeaseLost
 from celery_leases.lease import Lease
 from celery_leases.notify import notify
 from celery_leases.publish import publish_again
-from celery_leases.run_steps import release
+from celery_leases.run_steps import release_after_loss
 from celery_leases.settings import OnLost
+from celery_leases.stores.base import RefusalReason
 from celery_leases.worker import in_prefork_child
 
 __all__ = ["fenced_out", "react_to_loss"]
@@ -78,10 +79,12 @@ def fenced_out(
 ) -> NoReturn:
     reason = reason or "lost"
     signals.lease_fenced_out.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
+    completed = reason == "completed"
     if reason not in _REFUSALS:
         # lost by the local clock or an outage: the store may still name
         # this run, and the next copy need not wait a whole TTL for it
-        release(task, lease, "fenced-out", quiet=True)
+        refusal = release_after_loss(task, lease)
+        completed = refusal is not None and refusal.reason is RefusalReason.COMPLETED
     lease.finish()
     if request.is_eager or request.called_directly:
         raise lease.loss or LeaseLost(
@@ -90,7 +93,7 @@ def fenced_out(
             job_id=lease.job_id, owner=lease.owner, generation=lease.generation,
             reason=reason,
         ) from cause  # fmt: skip
-    if not (reason == "completed" and lease.job_id == request.id):
+    if not (completed and lease.job_id == request.id):
         # unless this task id already has its answer, the job must not be dropped
         publish_again(
             task, request, args, kwargs, job_id=lease.job_id, reason="fenced-out",

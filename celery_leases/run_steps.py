@@ -35,6 +35,8 @@ from celery_leases.stores.base import (
     CompleteResult,
     HeldElsewhere,
     Refusal,
+    Released,
+    ReleaseResult,
 )
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "outcome_options",
     "reject_poison",
     "release",
+    "release_after_loss",
 ]
 
 logger = logging.getLogger("celery_leases")
@@ -88,12 +91,26 @@ def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult |
         return result
 
 
-def release(task: Any, lease: Lease, reason: str, *, quiet: bool = False) -> bool:
-    """Give the lease up, fenced; False if the store refused (this run is stale).
+def release(task: Any, lease: Lease, reason: str) -> bool:
+    """Give the lease up, fenced; False if the store refused (this run is stale)."""
+    result = _give_up(task, lease, reason)
+    if isinstance(result, Refusal):
+        lease.mark_lost(result.error("release"))
+        return False
+    return True
 
-    Args:
-        quiet: a refusal is expected (the lease is known lost already).
+
+def release_after_loss(task: Any, lease: Lease) -> Refusal | None:
+    """Give up a lease known lost, in case the store still names this run.
+
+    Returns:
+        The store's refusal (it says who has the job now), or None.
     """
+    result = _give_up(task, lease, "fenced-out")
+    return result if isinstance(result, Refusal) else None
+
+
+def _give_up(task: Any, lease: Lease, reason: str) -> ReleaseResult | None:
     try:
         result = lease.store.release(lease.job_id, lease.owner, lease.generation)
     except StoreUnavailable as exc:
@@ -101,14 +118,11 @@ def release(task: Any, lease: Lease, reason: str, *, quiet: bool = False) -> boo
             "could not release job %r (generation %d) after %s: %s; it runs out in %g s",
             lease.job_id, lease.generation, reason, exc, lease.timing.ttl,
         )  # fmt: skip
-        return True
-    if isinstance(result, Refusal):
-        if not quiet:
-            lease.mark_lost(result.error("release"))
-        return False
-    lease.finish()
-    signals.lease_released.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
-    return True
+        return None
+    if isinstance(result, Released):
+        lease.finish()
+        signals.lease_released.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
+    return result
 
 
 def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:

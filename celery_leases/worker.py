@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import billiard.process
 from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
@@ -108,7 +109,10 @@ def in_prefork_child() -> bool:
 
 def _on_process_init(**_: Any) -> None:
     global _prefork_child_pid
-    _prefork_child_pid = os.getpid()
+    # the solo pool sends this signal in the worker's own process: stopping
+    # that one would stop the whole worker, so only a forked child counts
+    if billiard.process.current_process().name != "MainProcess":
+        _prefork_child_pid = os.getpid()
 
 
 def _on_shutdown(**_: Any) -> None:

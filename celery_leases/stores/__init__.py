@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from celery_leases.errors import LeaseConfigurationError
-from celery_leases.redact import mask_url
 from celery_leases.stores.base import LeaseStore
+from celery_leases.stores.checks import hide_password
 
 __all__ = ["LeaseStore", "open_store"]
 
@@ -47,8 +47,8 @@ def open_store(url: str, **options: Any) -> LeaseStore:
     """
     if not isinstance(url, str) or "://" not in url:
         raise LeaseConfigurationError(
-            f"lease store URL {mask_url(url) if isinstance(url, str) else url!r} is not a "
-            "URL; use redis://host:6379/0, "
+            f"lease store URL {hide_password(url) if isinstance(url, str) else url!r} "
+            "is not a URL; use redis://host:6379/0, "
             "postgresql+psycopg://user@host/db, sqlite:///path/to/file.db or memory://"
         )
     scheme = url.split("://", 1)[0].lower()
@@ -90,7 +90,7 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
             ) from exc
         return SqlStore.from_url(url, **options)
     raise LeaseConfigurationError(
-        f"unknown lease store scheme {scheme!r} in {mask_url(url)!r}; use one of "
+        f"unknown lease store scheme {scheme!r} in {hide_password(url)!r}; use one of "
         "redis://, rediss://, unix://, sentinel://, redis+cluster://, "
         "postgresql+psycopg://, sqlite:///, memory://"
     )

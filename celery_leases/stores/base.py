@@ -281,8 +281,9 @@ class LeaseStore(abc.ABC):
     ) -> Iterator[LeaseRecord]:
         """Iterate over records, optionally only those in ``state``.
 
-        ``state`` is a :class:`LeaseState` or its value (``"held"``, ...).
-        A record that cannot be read is skipped with a logged warning. Not a
+        ``state`` is a :class:`LeaseState` or its value (``"held"``, ...);
+        the arguments are checked at the call, before iterating. A record
+        that cannot be read is skipped with a logged warning. Not a
         snapshot: records changed during the iteration may or may not be
         seen in their new form.
         """
@@ -291,10 +292,15 @@ class LeaseStore(abc.ABC):
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise LeaseConfigurationError(f"limit must be an integer >= 0, got {limit!r}")
+        return self._readable_records(wanted, limit)
+
+    def _readable_records(
+        self, state: LeaseState | None, limit: int | None
+    ) -> Iterator[LeaseRecord]:
         if limit == 0:
             return
         count = 0
-        for record in self._records(wanted):
+        for record in self._records(state):
             if isinstance(record, LeaseRecordUnreadable):
                 logger.warning(
                     "skipping the unreadable lease record of job %r in %s: %s",

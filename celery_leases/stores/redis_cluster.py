@@ -33,14 +33,8 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
-from celery_leases.stores.redis import (
-    DEFAULT_SOCKET_TIMEOUT,
-    SCAN_BATCH,
-    RedisStore,
-    _escape_glob,
-    _text,
-    mask_url,
-)
+from celery_leases.stores.redis import DEFAULT_SOCKET_TIMEOUT, SCAN_BATCH, RedisStore
+from celery_leases.stores.redis_replies import _escape_glob, _text, mask_url
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
 

@@ -4,7 +4,8 @@ One table holds one row per job (see :func:`lease_table`). Every operation
 is one statement that reads the database's clock itself, so a worker's
 clock is never compared with a lease. What differs between the two
 databases (the clock, the upsert, how a JSON batch becomes rows, how
-transactions begin) lives in :class:`_Dialect` and nowhere else.
+transactions begin) lives in ``_Dialect`` (module ``sql_table``) and nowhere
+else; the statements are built in ``sql_statements``.
 
 PostgreSQL runs each statement in driver-level autocommit: an operation is
 one statement, so it is its own transaction and costs one round trip.
@@ -18,20 +19,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sqlite3
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.dialects import postgresql as pg
-from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Engine, RowMapping
-from sqlalchemy.sql.expression import ColumnElement, FromClause
+from sqlalchemy.sql.expression import ColumnElement
 
 from celery_leases.errors import (
     LeaseConfigurationError,
@@ -55,13 +52,31 @@ from celery_leases.stores.base import (
     RenewResult,
     refusal_for,
     ttl_to_ms,
-    unreadable,
     unreadable_refusal,
 )
+from celery_leases.stores.checks import hide_password
+from celery_leases.stores.sql_statements import _held_by, _Statements
+from celery_leases.stores.sql_table import (
+    _POSTGRES,
+    _READ_ONLY_OPTION,
+    _SQLITE,
+    DEFAULT_TABLE_NAME,
+    POSTGRES_NOW_MS,
+    SQLITE_NOW_MS,
+    _add_missing_columns,
+    _Dialect,
+    _record,
+    lease_table,
+)
 
-__all__ = ["SqlStore", "create_table", "lease_table"]
-
-DEFAULT_TABLE_NAME = "celery_leases"
+__all__ = [
+    "DEFAULT_TABLE_NAME",
+    "POSTGRES_NOW_MS",
+    "SQLITE_NOW_MS",
+    "SqlStore",
+    "create_table",
+    "lease_table",
+]
 
 #: seconds a SQLite connection waits for another writer before giving up
 SQLITE_BUSY_TIMEOUT = 10.0
@@ -74,24 +89,6 @@ RECORDS_PAGE_SIZE = 500
 
 #: claim attempts when the holder turned out to be gone by the time we looked
 CLAIM_ATTEMPTS = 3
-
-_TABLE_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
-
-# --- the clock, per dialect --------------------------------------------------
-
-#: PostgreSQL: clock_timestamp() is the time at evaluation. now() and
-#: CURRENT_TIMESTAMP are the *transaction's* start and would stand still.
-POSTGRES_NOW_MS = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)"
-
-#: SQLite: julianday('now') is a REAL count of days that SQLite computes from
-#: integer milliseconds, and 'now' is the same for a whole sqlite3_step().
-#: 2440587.5 is the Unix epoch as a Julian day; ROUND undoes the float error
-#: so the result is the exact millisecond (never a text timestamp).
-SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
-
-#: Option on connections that only read: SQLite then begins a deferred
-#: transaction instead of taking the write lock.
-_READ_ONLY_OPTION = "celery_leases_read_only"
 
 
 #: engines of open stores; a forked child must not reuse their connections
@@ -108,57 +105,6 @@ def _forget_connections_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_connections_after_fork)
-
-
-def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
-    """Define the lease table on ``metadata``.
-
-    Times are integer milliseconds on the database's clock.
-
-    Raises:
-        LeaseConfigurationError: ``table_name`` is not a plain identifier.
-    """
-    _check_table_name(table_name)
-    return sa.Table(
-        table_name,
-        metadata,
-        sa.Column("job_id", sa.String(255), primary_key=True),
-        sa.Column("owner", sa.String(255), nullable=False, server_default=""),
-        sa.Column("generation", sa.BigInteger, nullable=False),
-        sa.Column("lease_until", sa.BigInteger, nullable=False),
-        sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("task_name", sa.String(255), nullable=False, server_default=""),
-        sa.Column("claimed_at", sa.BigInteger, nullable=True),
-        sa.Column("renewed_at", sa.BigInteger, nullable=True),
-        sa.Column("completed_at", sa.BigInteger, nullable=True),
-        sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
-        sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
-        *_added_columns(),
-        # purge_completed and records(state=...) filter on these
-        sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
-    )
-
-
-def _added_columns() -> list[sa.Column[Any]]:
-    """Columns added after the first release; :func:`create_table` adds them
-    to a table made before them."""
-    return [
-        sa.Column("send_id", sa.String(255), nullable=False, server_default=""),
-        sa.Column("outcome", sa.LargeBinary, nullable=True),
-        sa.Column("released_at", sa.BigInteger, nullable=True),
-        sa.Column("released_by", sa.String(255), nullable=False, server_default=""),
-        sa.Column("release_reason", sa.Text, nullable=False, server_default=""),
-    ]
-
-
-def _add_missing_columns(conn: Connection, table: sa.Table) -> None:
-    """ALTER TABLE ... ADD COLUMN for each column an older table lacks."""
-    present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
-    for column in _added_columns():
-        if column.name in present:
-            continue
-        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
-        conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
 
 
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
@@ -190,123 +136,6 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
 
 # SqlStore's create_table flag shadows the function's name inside __init__
 _create_table = create_table
-
-
-# --- what differs between PostgreSQL and SQLite ------------------------------
-
-
-@dataclass(frozen=True)
-class _Dialect:
-    """Everything dialect-specific, in one place."""
-
-    name: str
-    #: SQL text of "now in integer milliseconds" on the database's clock
-    now_sql: str
-    #: the dialect's INSERT, which has on_conflict_do_update
-    insert: Callable[[sa.Table], Any]
-    #: turns the bound JSON text of a renew batch into rows
-    #: (job_id, owner, generation, ttl)
-    batch_rows: Callable[[sa.BindParameter[str]], FromClause]
-    #: execution options of connections that write / only read
-    write_options: Mapping[str, Any]
-    read_options: Mapping[str, Any]
-    #: serializes concurrent CREATE TABLE inside a transaction
-    lock_for_ddl: Callable[[Connection, str], None]
-    #: true when a column holds a whole number (SQLite keeps any value in any
-    #: column, and then 'abc' + 1 is 1)
-    whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
-    #: the larger of two integers (GREATEST in PostgreSQL, two-argument
-    #: max() in SQLite)
-    greatest: Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[int]]
-
-    def now_ms(self) -> ColumnElement[int]:
-        """The database's clock in ms, as a column expression."""
-        return sa.literal_column(self.now_sql, sa.BigInteger)
-
-
-def _postgres_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
-    return (
-        sa.func.jsonb_to_recordset(sa.cast(batch, pg.JSONB))
-        .table_valued(
-            sa.column("job_id", sa.Text),
-            sa.column("owner", sa.Text),
-            sa.column("generation", sa.BigInteger),
-            sa.column("ttl", sa.BigInteger),
-        )
-        .render_derived(name="batch", with_types=True)
-    )
-
-
-def _sqlite_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
-    item = sa.func.json_each(batch).table_valued("value").alias("item")
-    return (
-        sa.select(
-            sa.func.json_extract(item.c.value, "$.job_id", type_=sa.String).label("job_id"),
-            sa.func.json_extract(item.c.value, "$.owner", type_=sa.String).label("owner"),
-            sa.func.json_extract(item.c.value, "$.generation", type_=sa.BigInteger).label(
-                "generation"
-            ),
-            sa.func.json_extract(item.c.value, "$.ttl", type_=sa.BigInteger).label("ttl"),
-        )
-        .select_from(item)
-        .subquery("batch")
-    )
-
-
-def _postgres_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    # Two processes creating the table at once both pass checkfirst and one
-    # fails on the catalog's unique index; a transaction-scoped advisory
-    # lock on the table name makes them take turns.
-    conn.execute(
-        sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
-        {"name": f"celery_leases:{table_name}"},
-    )
-
-
-def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    # BEGIN IMMEDIATE already holds the write lock: nothing else to take.
-    return None
-
-
-def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
-    return sa.func.greatest(a, b, type_=sa.BigInteger)
-
-
-def _sqlite_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
-    return sa.func.max(a, b, type_=sa.BigInteger)
-
-
-def _postgres_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
-    return sa.true()  # a BIGINT column holds nothing else
-
-
-def _sqlite_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
-    return sa.func.typeof(column) == "integer"
-
-
-_POSTGRES = _Dialect(
-    name="postgresql",
-    now_sql=POSTGRES_NOW_MS,
-    insert=pg.insert,
-    batch_rows=_postgres_batch_rows,
-    write_options={"isolation_level": "AUTOCOMMIT"},
-    read_options={"isolation_level": "AUTOCOMMIT"},
-    lock_for_ddl=_postgres_lock_for_ddl,
-    whole=_postgres_whole,
-    greatest=_postgres_greatest,
-)
-
-_SQLITE = _Dialect(
-    name="sqlite",
-    now_sql=SQLITE_NOW_MS,
-    insert=sqlite_dialect.insert,
-    batch_rows=_sqlite_batch_rows,
-    write_options={},
-    read_options={_READ_ONLY_OPTION: True},
-    lock_for_ddl=_sqlite_lock_for_ddl,
-    whole=_sqlite_whole,
-    greatest=_sqlite_greatest,
-)
 
 
 def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
@@ -381,14 +210,6 @@ def _dialect_for(engine: Engine) -> _Dialect:
     )
 
 
-def _check_table_name(table_name: object) -> None:
-    if not isinstance(table_name, str) or not _TABLE_NAME_PATTERN.fullmatch(table_name):
-        raise LeaseConfigurationError(
-            f"table_name must be letters, digits and underscores (at most 40, not "
-            f"starting with a digit), got {table_name!r}"
-        )
-
-
 def _masked_url(engine: Engine) -> str:
     return engine.url.render_as_string(hide_password=True)
 
@@ -442,281 +263,6 @@ def _reason(error: BaseException) -> str:
     orig = getattr(error, "orig", None)
     text = str(orig if orig is not None else error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-# --- the statements, built once per store ------------------------------------
-#
-# Building a SQLAlchemy statement, and then its cache key, costs more Python
-# than the round trip it makes: rebuilt on every call, a claim spent about
-# 600 of its 820 microseconds there. So each operation's statement is built
-# once per store, with bind parameters named below, and executed with a
-# parameter dict. A statement object keeps its cache key, so every later
-# call finds the compiled SQL in the engine's compiled cache at once.
-#
-# Bind parameters: p_job_id, p_owner, p_generation, p_ttl_ms, p_task_name,
-# p_send_id, p_new_send (a send id was given), p_outcome, p_by, p_reason;
-# p_batch (the JSON of a renew_many); p_job_ids (expanding); p_older_than_ms.
-# The "p_" keeps them apart from the column names, which SQLAlchemy reserves
-# in INSERT and UPDATE.
-
-
-def _held_by_parameters(table: sa.Table) -> ColumnElement[bool]:
-    """Held by ``:p_owner`` with ``:p_generation``, for the record of ``:p_job_id``."""
-    return _held_by(
-        table, sa.bindparam("p_job_id"), sa.bindparam("p_owner"), sa.bindparam("p_generation")
-    )
-
-
-def _held_by(table: sa.Table, job_id: Any, owner: Any, generation: Any) -> ColumnElement[bool]:
-    """The fence: ``owner`` holds ``job_id`` with ``generation`` (values or parameters)."""
-    t = table.c
-    return sa.and_(
-        t.job_id == job_id,
-        t.owner == owner,
-        t.generation == generation,
-        t.state == LeaseState.HELD.value,
-    )
-
-
-def _now_row(dialect: _Dialect) -> FromClause:
-    """A one-row subquery ``n(now)``, so a statement reads the clock once."""
-    return sa.select(dialect.now_ms().label("now")).subquery("n")
-
-
-def _now_once(dialect: _Dialect) -> ColumnElement[int]:
-    """The clock as ``(SELECT now FROM n)`` over a CTE, for UPDATEs.
-
-    PostgreSQL evaluates a CTE with a volatile function once, so every use
-    in the statement sees the same value (SQLite's 'now' is fixed per
-    statement anyway).
-    """
-    n = sa.select(dialect.now_ms().label("now")).cte("n")
-    return sa.select(n.c.now).scalar_subquery()
-
-
-def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
-    """INSERT ... SELECT ... ON CONFLICT (job_id) DO UPDATE ... RETURNING.
-
-    A new row gets generation = now. An existing row is taken over only if
-    it is released, held with a lease that ran out, or completed under
-    another send id than a given ``:p_send_id`` (a new run); then its
-    generation becomes ``max(generation + 1, now)`` and a held one counts as
-    a takeover (a new run starts counting again). The clock bound keeps
-    generations above every one handed out before when the database lost
-    its last commits (``synchronous_commit=off``, a promoted replica). The
-    clock is read once, in ``n``; the DO UPDATE reads it back as
-    ``excluded.claimed_at``.
-    """
-    t = table
-    n = _now_row(dialect)
-    held = LeaseState.HELD.value
-    completed = LeaseState.COMPLETED.value
-    source = (
-        sa.select(
-            sa.bindparam("p_job_id", type_=sa.String),
-            sa.bindparam("p_owner", type_=sa.String),
-            n.c.now,
-            n.c.now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
-            sa.literal(held, sa.String),
-            sa.bindparam("p_task_name", type_=sa.String),
-            n.c.now,
-            sa.literal(0, sa.Integer),
-            sa.literal(0, sa.Integer),
-            sa.bindparam("p_send_id", type_=sa.String),
-        )
-        .select_from(n)
-        # SQLite reads "SELECT ... FROM n ON CONFLICT" as a join's ON
-        # unless the SELECT has a WHERE
-        .where(sa.true())
-    )
-    insert = dialect.insert(t).from_select(
-        [
-            "job_id",
-            "owner",
-            "generation",
-            "lease_until",
-            "state",
-            "task_name",
-            "claimed_at",
-            "renew_count",
-            "takeovers",
-            "send_id",
-        ],
-        source,
-    )
-    now = insert.excluded.claimed_at
-    return insert.on_conflict_do_update(
-        index_elements=[t.c.job_id],
-        set_={
-            "owner": insert.excluded.owner,
-            "generation": dialect.greatest(t.c.generation + 1, now),
-            "lease_until": insert.excluded.lease_until,
-            "state": held,
-            "task_name": insert.excluded.task_name,
-            "claimed_at": now,
-            "renewed_at": None,
-            "completed_at": None,
-            "renew_count": 0,
-            "takeovers": sa.case(
-                (t.c.state == held, t.c.takeovers + 1),
-                (t.c.state == completed, 0),
-                else_=t.c.takeovers,
-            ),
-            "send_id": insert.excluded.send_id,
-            "outcome": None,
-            "released_at": None,
-            "released_by": "",
-            "release_reason": "",
-        },
-        where=sa.and_(
-            sa.or_(
-                t.c.state == LeaseState.RELEASED.value,
-                sa.and_(t.c.state == held, t.c.lease_until <= now),
-                sa.and_(
-                    t.c.state == completed,
-                    sa.bindparam("p_new_send", type_=sa.Boolean),
-                    t.c.send_id != insert.excluded.send_id,
-                ),
-            ),
-            dialect.whole(t.c.generation),
-            dialect.whole(t.c.lease_until),
-        ),
-    ).returning(t.c.generation, t.c.lease_until, t.c.claimed_at, t.c.takeovers)
-
-
-def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
-    """One UPDATE ... FROM (the ``:p_batch`` JSON as rows) ... RETURNING."""
-    t = table
-    now = _now_once(dialect)
-    batch = dialect.batch_rows(sa.bindparam("p_batch", type_=sa.String))
-    return (
-        sa.update(t)
-        .values(
-            lease_until=now + batch.c.ttl,
-            renewed_at=now,
-            renew_count=t.c.renew_count + 1,
-        )
-        .where(
-            t.c.job_id == batch.c.job_id,
-            t.c.owner == batch.c.owner,
-            t.c.generation == batch.c.generation,
-            # "|| ''" keeps SQLite from driving the join with the state
-            # index, which would scan the whole batch once per held row
-            t.c.state.concat("") == LeaseState.HELD.value,
-        )
-        .returning(t.c.job_id, t.c.owner, t.c.generation, t.c.lease_until, t.c.renewed_at)
-    )
-
-
-@dataclass(frozen=True)
-class _Statements:
-    """Every statement of a store's hot path, built once (see above)."""
-
-    #: the claim; RETURNING generation, lease_until, claimed_at, takeovers
-    claim: Any
-    #: the record of ``:p_job_id`` and the clock, after a claim matched nothing
-    holder: Any
-    renew: Any
-    renew_many: Any
-    complete: Any
-    release: Any
-    #: an operator's release; RETURNING the whole record
-    force_release: Any
-    #: the record of ``:p_job_id``
-    record: Any
-    #: the records of ``:p_job_ids``
-    records_of: Any
-    now: Any
-    purge: Any
-
-    @classmethod
-    def build(cls, table: sa.Table, dialect: _Dialect) -> _Statements:
-        """Build every statement for ``table`` in ``dialect``."""
-        t = table
-        n = _now_row(dialect)
-        renew_now = _now_once(dialect)
-        # one clock reading for the purge (an InitPlan in PostgreSQL)
-        purge_now = sa.select(dialect.now_ms()).scalar_subquery()
-        purge_before = purge_now - sa.bindparam("p_older_than_ms", type_=sa.BigInteger)
-        return cls(
-            claim=_claim_statement(t, dialect),
-            holder=(
-                sa.select(t, n.c.now)
-                .select_from(t)
-                .join(n, sa.true())
-                .where(t.c.job_id == sa.bindparam("p_job_id"))
-            ),
-            renew=(
-                sa.update(t)
-                .values(
-                    lease_until=renew_now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
-                    renewed_at=renew_now,
-                    renew_count=t.c.renew_count + 1,
-                )
-                .where(_held_by_parameters(t))
-                .returning(t.c.lease_until, t.c.renewed_at)
-            ),
-            renew_many=_renew_many_statement(t, dialect),
-            complete=(
-                sa.update(t)
-                .values(
-                    state=LeaseState.COMPLETED.value,
-                    completed_at=dialect.now_ms(),
-                    outcome=sa.bindparam("p_outcome", type_=sa.LargeBinary),
-                )
-                .where(_held_by_parameters(t))
-                .returning(t.c.job_id)
-            ),
-            release=(
-                sa.update(t)
-                .values(
-                    state=LeaseState.RELEASED.value,
-                    owner="",
-                    lease_until=renew_now,
-                    released_at=renew_now,
-                )
-                .where(_held_by_parameters(t))
-                .returning(t.c.job_id)
-            ),
-            force_release=(
-                sa.update(t)
-                .values(
-                    generation=t.c.generation + 1,
-                    state=LeaseState.RELEASED.value,
-                    owner="",
-                    lease_until=renew_now,
-                    released_at=renew_now,
-                    released_by=sa.bindparam("p_by", type_=sa.String),
-                    release_reason=sa.bindparam("p_reason", type_=sa.String),
-                )
-                .where(
-                    t.c.job_id == sa.bindparam("p_job_id"),
-                    t.c.state.in_([LeaseState.HELD.value, LeaseState.RELEASED.value]),
-                    dialect.whole(t.c.generation),
-                )
-                .returning(*t.c)
-            ),
-            record=sa.select(t).where(t.c.job_id == sa.bindparam("p_job_id")),
-            records_of=sa.select(t).where(
-                t.c.job_id.in_(sa.bindparam("p_job_ids", expanding=True))
-            ),
-            now=sa.select(dialect.now_ms()),
-            purge=sa.delete(t).where(
-                sa.or_(
-                    sa.and_(
-                        t.c.state == LeaseState.COMPLETED.value,
-                        t.c.completed_at <= purge_before,
-                    ),
-                    sa.and_(
-                        t.c.state == LeaseState.RELEASED.value,
-                        # released before released_at existed: the lease
-                        # ended at the release
-                        sa.func.coalesce(t.c.released_at, t.c.lease_until) <= purge_before,
-                    ),
-                ),
-                dialect.whole(t.c.generation),
-            ),
-        )
 
 
 # --- the store ---------------------------------------------------------------
@@ -780,7 +326,9 @@ class SqlStore(LeaseStore):
         try:
             parsed = sa.make_url(url)
         except (exc.ArgumentError, ValueError) as error:
-            raise LeaseConfigurationError(f"cannot parse the SQL URL {url!r}: {error}") from error
+            raise LeaseConfigurationError(
+                f"cannot parse the SQL URL {hide_password(url)!r}: {hide_password(str(error))}"
+            ) from error
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
         if parsed.get_backend_name() == "postgresql":
@@ -1053,52 +601,3 @@ class SqlStore(LeaseStore):
         with self._guard("purge"), self._writer.begin() as conn:
             result = conn.execute(self._statements.purge, {"p_older_than_ms": older_than_ms})
             return int(result.rowcount)
-
-
-def _record(row: RowMapping, where: str) -> LeaseRecord:
-    """The record in ``row``.
-
-    Raises:
-        LeaseRecordUnreadable: a column holds what the store never writes.
-    """
-    job_id = str(row["job_id"])
-    try:
-        outcome = row["outcome"]
-        return LeaseRecord(
-            job_id=job_id,
-            owner=_text(row, "owner"),
-            generation=_whole(row, "generation"),
-            lease_until_ms=_whole(row, "lease_until"),
-            state=LeaseState(row["state"]),
-            task_name=_text(row, "task_name"),
-            claimed_at_ms=_optional_whole(row, "claimed_at"),
-            renewed_at_ms=_optional_whole(row, "renewed_at"),
-            completed_at_ms=_optional_whole(row, "completed_at"),
-            renew_count=_whole(row, "renew_count"),
-            takeovers=_whole(row, "takeovers"),
-            send_id=_text(row, "send_id"),
-            outcome=None if outcome is None else bytes(outcome),
-            released_at_ms=_optional_whole(row, "released_at"),
-            released_by=_text(row, "released_by"),
-            release_reason=_text(row, "release_reason"),
-        )
-    except (ValueError, TypeError) as error:
-        raise unreadable(job_id, where, str(error)) from error
-
-
-def _whole(row: RowMapping, name: str) -> int:
-    value = row[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} is {value!r}, not a whole number")
-    return value
-
-
-def _optional_whole(row: RowMapping, name: str) -> int | None:
-    return None if row[name] is None else _whole(row, name)
-
-
-def _text(row: RowMapping, name: str) -> str:
-    value = row[name]
-    if not isinstance(value, str):
-        raise ValueError(f"{name} is {value!r}, not text")
-    return value

@@ -42,6 +42,7 @@ class ValueService:
             return _answer(start_response, "405 Method Not Allowed", {"error": "use PUT"})
         length = int(environ.get("CONTENT_LENGTH") or 0)
         body = environ["wsgi.input"].read(length)
+        # --8<-- [start:checker]
         try:
             # the environ carries the headers; hold the name while writing
             with self.checker.fenced(environ, resource=name) as fence:
@@ -58,6 +59,7 @@ class ValueService:
             "200 OK",
             {"applied": fence.applied, "generation": fence.generation},
         )
+        # --8<-- [end:checker]
 
 
 def _answer(start_response: StartResponse, status: str, body: dict[str, Any]) -> list[bytes]:

@@ -183,8 +183,6 @@ def make_app(config: AcceptanceConfig) -> Celery:
         celery_app.conf.leases_defer_backoff = min(1.0, config.defer_max)
     if config.broker_write is not None:
         celery_app.conf.broker_write_url = config.broker_write
-    if config.kill_after_complete:
-        _kill_after_first_completion(config)
     if config.pickle:
         celery_app.conf.accept_content = ["json", "pickle"]
     _register_tasks(celery_app, config)
@@ -329,3 +327,7 @@ _config = config_from_env()
 if _config.clock_skew:
     skew_wall_clock(_config.clock_skew)
 app = make_app(_config)
+if _config.kill_after_complete:
+    # only in a worker started with the variable: a receiver connected in the
+    # test process would kill the test run at its next completion
+    _kill_after_first_completion(_config)

@@ -86,7 +86,7 @@ def test_a_lost_completion_reply_still_answers_the_client(
     record = cluster.record(result.id)
     assert record is not None
     assert (record.state, record.generation) == (LeaseState.COMPLETED, value["generation"])
-    assert "fenced out" not in worker.log()
+    assert "lease fenced-out" not in worker.log()
     assert cluster.side.done_count(result.id) == 1
 
 

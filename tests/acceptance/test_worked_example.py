@@ -8,7 +8,7 @@ Timeline (TTL 2 s, broker visibility timeout 3 s)::
     t~3-4   the broker hands the unacked message to B; B claims g+1
     t~5     B completes: the store accepts, the backend stores B's result
     later   A is resumed; its body ends; its completion with g is refused:
-            A logs "fenced out" and writes nothing to the result backend
+            A logs "lease fenced-out" and writes nothing to the result backend
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_paused_worker_is_fenced_out_and_successor_result_stands(cluster: Cluste
     assert value["worker"].startswith(f"{worker_b.name}@")
 
     worker_a.thaw()
-    worker_a.wait_for_log(r"fenced out", timeout=30)
+    worker_a.wait_for_log(rf"lease fenced-out: job={result.id}", timeout=30)
     # A's body did run to its end: only the completion was refused
     assert cluster.side.done_count(result.id) == 2
 

@@ -17,8 +17,9 @@ import pytest
 from celery_leases import LeaseTiming, open_store
 from celery_leases.fencing.sql import fenced_transaction
 from celery_leases.heartbeat import Heartbeat
-from celery_leases.lease import Lease, make_owner
-from celery_leases.stores.base import Acquired, LeaseStore
+from celery_leases.lease import Lease
+from celery_leases.stores.base import LeaseStore
+from tests.leases import claimed_lease
 
 TIMING = LeaseTiming(ttl=1.2, renew_interval=0.3, drift_margin=0.2)
 
@@ -31,19 +32,8 @@ def store(tmp_path: Path) -> Iterator[LeaseStore]:
 
 
 def claim(store: LeaseStore, job_id: str, lost: list[tuple[Lease, float]]) -> Lease:
-    owner = make_owner()
-    started = time.monotonic()
-    result = store.claim(job_id, owner, TIMING.ttl)
-    assert isinstance(result, Acquired)
-    return Lease(
-        job_id=job_id,
-        owner=owner,
-        generation=result.generation,
-        lease_until_ms=result.lease_until_ms,
-        started_at=started,
-        store=store,
-        timing=TIMING,
-        on_lost=lambda lease: lost.append((lease, time.monotonic())),
+    return claimed_lease(
+        store, job_id, TIMING, on_lost=lambda lease: lost.append((lease, time.monotonic()))
     )
 
 

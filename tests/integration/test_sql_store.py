@@ -184,6 +184,40 @@ def test_store_creates_the_table_with_its_columns_and_index(
     assert indexes[f"ix_{table_name}_state_completed_at"] == ["state", "completed_at"]
 
 
+def test_table_of_an_older_release_gets_the_new_columns(sql_url: str, table_name: str) -> None:
+    engine = sa.create_engine(sql_url)
+    try:
+        with engine.begin() as conn:
+            # the table as the first release created it
+            conn.exec_driver_sql(
+                f"CREATE TABLE {table_name} (job_id VARCHAR(255) NOT NULL, "
+                "owner VARCHAR(255) DEFAULT '' NOT NULL, generation BIGINT NOT NULL, "
+                "lease_until BIGINT NOT NULL, state VARCHAR(16) NOT NULL, "
+                "task_name VARCHAR(255) DEFAULT '' NOT NULL, claimed_at BIGINT, "
+                "renewed_at BIGINT, completed_at BIGINT, "
+                "renew_count INTEGER DEFAULT 0 NOT NULL, takeovers INTEGER DEFAULT 0 NOT NULL, "
+                "PRIMARY KEY (job_id))"
+            )
+            conn.exec_driver_sql(
+                f"INSERT INTO {table_name} (job_id, generation, lease_until, state) "  # noqa: S608 - the test's own table
+                "VALUES ('old', 5, 9, 'released')"
+            )
+        store = SqlStore.from_url(sql_url, table_name=table_name)
+        try:
+            columns = {c["name"] for c in sa.inspect(store.engine).get_columns(table_name)}
+            assert columns == set(EXPECTED_COLUMNS)
+            record = store.get("old")
+            assert record is not None
+            assert (record.send_id, record.outcome, record.released_at_ms) == ("", None, None)
+            again = store.claim("old", A, 30, send_id="send-1")
+            assert isinstance(again, Acquired)
+            assert again.generation == 6
+        finally:
+            store.close()
+    finally:
+        engine.dispose()
+
+
 def test_table_creation_is_idempotent(sql_url: str, table_name: str) -> None:
     first = SqlStore.from_url(sql_url, table_name=table_name)
     _acquire(first, "kept")

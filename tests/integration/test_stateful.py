@@ -1,7 +1,8 @@
 """A stateful model test of every store against a plain model of the protocol.
 
-Hypothesis drives random sequences of claim, renew, renew_many, complete and
-release by a few owners on a few jobs, with time passing between them, and
+Hypothesis drives random sequences of claim (with or without a send id),
+renew, renew_many, complete (with an outcome), release and an operator's
+forced release by a few owners on a few jobs, with time passing between them, and
 checks every answer against a model of the record. The memory store runs on a
 manual clock, so its edges are exact and it can run many examples. Real
 stores run on real time with short TTLs; the model then never guesses whether
@@ -11,7 +12,7 @@ store's clock gives (``now_ms()`` before and after the call, and the
 
 Checked invariants: I1 (generations strictly increase and are never reused),
 I2 (a live lease is never claimed by anyone), I3 (at most one accepted
-completion per job), I4 (a stale owner or generation is always refused).
+completion per run of a job), I4 (a stale owner or generation is always refused).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from celery_leases import (
     AlreadyCompleted,
     Completed,
     HeldElsewhere,
+    LeaseConfigurationError,
     LeaseState,
     LeaseStore,
     Refusal,
@@ -50,6 +52,7 @@ from celery_leases.stores.memory import ManualClock, MemoryStore
 
 OWNERS = ("w1", "w2", "w3")
 JOBS = (0, 1, 2)
+SENDS = (None, "send-1", "send-2")
 
 
 @dataclass
@@ -60,6 +63,8 @@ class ModelRecord:
     generation: int
     state: LeaseState
     lease_until_ms: int
+    send_id: str = ""
+    outcome: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -160,17 +165,24 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
             job=st.sampled_from(JOBS),
             owner=st.sampled_from(OWNERS),
             ttl=st.sampled_from(timing.ttls),
+            send_id=st.sampled_from(SENDS),
         )
-        def claim(self, job: int, owner: str, ttl: float) -> object:
+        def claim(self, job: int, owner: str, ttl: float, send_id: str | None) -> object:
             job_id = self.job_id(job)
             record = self.model.get(job_id)
             before = store.now_ms()
-            result = store.claim(job_id, owner, ttl)
+            result = store.claim(job_id, owner, ttl, send_id=send_id)
             after = store.now_ms()
 
+            new_run = False
             if record is not None and record.state is LeaseState.COMPLETED:
-                assert result == AlreadyCompleted(job_id, record.generation)
-                return multiple()
+                if send_id is None or send_id == record.send_id:
+                    assert result == AlreadyCompleted(
+                        job_id, record.generation, record.send_id, record.outcome
+                    )
+                    return multiple()
+                new_run = True  # another send of a completed job runs again
+                self.ledger.completions[job_id] = 0
             if isinstance(result, HeldElsewhere):
                 assert record is not None, "a job without a record was reported held"
                 assert record.state is LeaseState.HELD, f"{record.state} job reported held"
@@ -195,8 +207,10 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
             history = self.ledger.generations.setdefault(job_id, [])
             assert all(g < result.generation for g in history), f"I1: {history} then {result}"
             history.append(result.generation)
+            if new_run:
+                assert result.takeovers == 0
             self.model[job_id] = ModelRecord(
-                owner, result.generation, LeaseState.HELD, result.lease_until_ms
+                owner, result.generation, LeaseState.HELD, result.lease_until_ms, send_id or ""
             )
             return Token(job_id, owner, result.generation)
 
@@ -225,18 +239,22 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
                 assert result.job_id == token.job_id, "renew_many answered out of order"
                 self.check_renewal(result, token, ttl, before, after)
 
-        @rule(token=tokens, impostor=st.none() | st.sampled_from(OWNERS))
-        def complete(self, token: Token, impostor: str | None) -> None:
+        @rule(
+            token=tokens,
+            impostor=st.none() | st.sampled_from(OWNERS),
+            outcome=st.none() | st.binary(max_size=8),
+        )
+        def complete(self, token: Token, impostor: str | None, outcome: bytes | None) -> None:
             token = Token(token.job_id, impostor or token.owner, token.generation)
             fresh = self.matches(token)
-            result = store.complete(token.job_id, token.owner, token.generation)
             record = self.model.get(token.job_id)
+            result = store.complete(token.job_id, token.owner, token.generation, outcome=outcome)
             if (
                 record is not None
                 and record.state is LeaseState.COMPLETED
                 and (record.owner, record.generation) == (token.owner, token.generation)
             ):
-                # the same completion again (a lost reply resent): rule 6
+                # rule 6: this run's completion is already recorded; nothing changes
                 assert result == Completed(token.job_id, token.generation)
                 return
             if not fresh:
@@ -247,6 +265,7 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
             assert count == 1, f"I3: job {token.job_id} completed {count} times"
             self.ledger.completions[token.job_id] = count
             self.model[token.job_id].state = LeaseState.COMPLETED
+            self.model[token.job_id].outcome = outcome
 
         @rule(token=tokens)
         def release(self, token: Token) -> None:
@@ -257,6 +276,21 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
                 return
             assert result == Released(token.job_id, token.generation)
             record = self.model[token.job_id]
+            record.state = LeaseState.RELEASED
+            record.owner = ""
+
+        @rule(job=st.sampled_from(JOBS))
+        def force_release(self, job: int) -> None:
+            job_id = self.job_id(job)
+            record = self.model.get(job_id)
+            if record is None or record.state is LeaseState.COMPLETED:
+                with pytest.raises(LeaseConfigurationError):
+                    store.force_release(job_id, by="ops", reason="test")
+                return
+            released = store.force_release(job_id, by="ops", reason="test")
+            assert released.generation == record.generation + 1
+            assert (released.state, released.owner) == (LeaseState.RELEASED, "")
+            record.generation += 1
             record.state = LeaseState.RELEASED
             record.owner = ""
 
@@ -276,6 +310,9 @@ def build_machine(store: LeaseStore, timing: Timing) -> type[RuleBasedStateMachi
                     expected.generation,
                     expected.state,
                 )
+                assert record.send_id == expected.send_id
+                if expected.state is LeaseState.COMPLETED:
+                    assert record.outcome == expected.outcome
                 if expected.state is LeaseState.HELD:
                     assert record.lease_until_ms == expected.lease_until_ms
 

@@ -19,6 +19,7 @@ from celery import Celery, chain
 
 import celery_leases
 from celery_leases import LeaseConfigurationError, LeasedTask, LeaseState
+from celery_leases.outcome import encode_value
 from celery_leases.sending import SEND_ID_HEADER
 from celery_leases.stores.memory import ManualClock
 from celery_leases.task import store_for
@@ -335,3 +336,31 @@ def test_a_job_key_the_store_cannot_hold_fails_the_task_at_once(
             result.get(timeout=WAIT)
     assert recorder.of("body") == []
     assert recorder.of("duplicate_deferred") == []  # failed, not deferred forever
+
+
+def test_a_stale_run_whose_task_id_was_completed_meanwhile_publishes_no_copy(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    clock = ManualClock()
+    app = make_app(leases_store_options={"clock": clock})
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=1.5, lease_on_lost="flag")
+    def paused(self: LeasedTask) -> str:
+        store = store_for(app)
+        clock.advance(2)  # it stalls; a redelivery of its message takes the job over ...
+        successor = store.claim(
+            self.lease.job_id, "successor:2:def", 30, send_id=self.request.get(SEND_ID_HEADER)
+        )
+        outcome = encode_value("successor result", serializer="json", max_bytes=1024)
+        store.complete(self.lease.job_id, "successor:2:def", successor.generation, outcome=outcome)
+        time.sleep(self.lease.remaining() + 0.1)  # ... and completes it before this one wakes
+        return "stale result"
+
+    with worker(app):
+        result = paused.delay()
+        [fenced] = recorder.wait("lease_fenced_out")
+        time.sleep(1.0)
+    # lost by its deadline, or told by a refused renewal that the job is completed
+    assert fenced["reason"] in ("deadline", "completed")
+    assert recorder.of("duplicate_deferred") == []  # the task id has its answer already
+    assert app.backend.get_task_meta(result.id, cache=False)["status"] == "PENDING"

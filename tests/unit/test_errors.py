@@ -12,6 +12,7 @@ from celery_leases import (
     LeaseError,
     LeaseHeld,
     LeaseLost,
+    LeaseRecordUnreadable,
     StaleFencingToken,
     StoreUnavailable,
     TakeoverLimitExceeded,
@@ -24,6 +25,7 @@ ERRORS: list[LeaseError] = [
     StaleFencingToken("stale", job_id="j", generation=6, resource="r", accepted=7),
     StoreUnavailable("down", job_id="j"),
     LeaseConfigurationError("bad setting"),
+    LeaseRecordUnreadable("the record of job 'j' is unreadable", job_id="j"),
     TakeoverLimitExceeded("poison", job_id="j", owner="o", generation=8, takeovers=6, limit=5),
 ]
 
@@ -57,3 +59,9 @@ def test_a_result_backend_gives_back_the_same_class(error: LeaseError, serialize
     assert type(loaded) is type(error)
     assert str(loaded) == str(error)
     app.close()
+
+
+def test_an_unreadable_record_is_neither_an_outage_nor_a_configuration() -> None:
+    # a caller that retries StoreUnavailable must not retry this forever
+    assert issubclass(LeaseRecordUnreadable, LeaseError)
+    assert not issubclass(LeaseRecordUnreadable, (StoreUnavailable, LeaseConfigurationError))

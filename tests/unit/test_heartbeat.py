@@ -15,9 +15,10 @@ import pytest
 
 from celery_leases import LeaseLost, LeaseTiming, StoreUnavailable
 from celery_leases.heartbeat import MAX_IN_FLIGHT, Heartbeat, process_heartbeat
-from celery_leases.lease import Lease, make_owner
+from celery_leases.lease import Lease
 from celery_leases.stores.base import Acquired, RenewRequest, RenewResult
 from celery_leases.stores.memory import ManualClock, MemoryStore
+from tests.leases import claimed_lease
 
 TIMING = LeaseTiming(ttl=0.6, renew_interval=0.15, drift_margin=0.1)
 
@@ -44,20 +45,7 @@ class RecordingStore(MemoryStore):
 def claim(
     store: MemoryStore, job_id: str, lost: list[Lease], timing: LeaseTiming = TIMING
 ) -> Lease:
-    owner = make_owner()
-    started = time.monotonic()
-    result = store.claim(job_id, owner, timing.ttl)
-    assert isinstance(result, Acquired)
-    return Lease(
-        job_id=job_id,
-        owner=owner,
-        generation=result.generation,
-        lease_until_ms=result.lease_until_ms,
-        started_at=started,
-        store=store,
-        timing=timing,
-        on_lost=lost.append,
-    )
+    return claimed_lease(store, job_id, timing, on_lost=lost.append)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -154,7 +142,8 @@ def test_an_unexpected_error_loses_the_leases_of_its_batch_and_the_thread_surviv
     heartbeat.add(first)
     assert wait_for(lambda: first.lost)
     assert first.lost_reason == "heartbeat-error"
-    assert "the lease heartbeat failed" in caplog.text
+    # logged from the notifier thread, soon after
+    assert wait_for(lambda: "the lease heartbeat failed" in caplog.text)
     assert "RuntimeError: bug in a store" in caplog.text  # with the traceback
     assert heartbeat.running
     second = claim(store, "second", lost)

@@ -22,6 +22,7 @@ from celery_leases.stores.base import (
     RenewResult,
 )
 from celery_leases.stores.memory import ManualClock, MemoryStore
+from tests.leases import claimed_lease
 
 TIMING = LeaseTiming(ttl=10.0, renew_interval=3.0, drift_margin=1.0)
 
@@ -55,21 +56,8 @@ class FlakyStore(MemoryStore):
 def claim(
     store: MemoryStore, local: LocalClock, lost: list[Lease] | None = None, job_id: str = "job-1"
 ) -> Lease:
-    owner = make_owner()
-    started = local()
-    result = store.claim(job_id, owner, TIMING.ttl)
-    assert isinstance(result, Acquired)
-    return Lease(
-        job_id=job_id,
-        owner=owner,
-        generation=result.generation,
-        lease_until_ms=result.lease_until_ms,
-        started_at=started,
-        store=store,
-        timing=TIMING,
-        task_name="tests.job",
-        on_lost=None if lost is None else lost.append,
-        clock=local,
+    return claimed_lease(
+        store, job_id, TIMING, on_lost=None if lost is None else lost.append, clock=local
     )
 
 

@@ -47,3 +47,19 @@ def test_url_errors_are_lease_errors() -> None:
 def test_an_option_the_store_does_not_take_is_a_configuration_error() -> None:
     with pytest.raises(LeaseConfigurationError, match="leases_store_options"):
         open_store("memory://", prefix="leases:")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mysql://admin:Pa55-secret@localhost/db",
+        "admin:Pa55-secret@localhost:6379",
+        "postgresql://admin:Pa55-secret@host:notaport/db",
+        "redis://localhost:99999999/0?password=Pa55-secret",
+    ],
+)
+def test_url_errors_never_show_the_password(url: str) -> None:
+    with pytest.raises(LeaseConfigurationError) as info:
+        open_store(url)
+    assert "Pa55-secret" not in str(info.value)
+    assert "***" in str(info.value)

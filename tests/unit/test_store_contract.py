@@ -529,3 +529,14 @@ def test_store_without_every_hook_cannot_be_made() -> None:
 def test_store_is_a_context_manager(clock: ManualClock) -> None:
     with MemoryStore(clock=clock) as store:
         assert isinstance(store.claim(JOB, A, 1), Acquired)
+
+
+@pytest.mark.parametrize("state", ["bogus", LeaseState.HELD.name, 3])
+def test_records_check_the_state_at_the_call(store: MemoryStore, state: object) -> None:
+    with pytest.raises(LeaseConfigurationError, match="state must be a LeaseState"):
+        store.records(state=state)  # type: ignore[arg-type]
+
+
+def test_records_check_the_limit_at_the_call(store: MemoryStore) -> None:
+    with pytest.raises(LeaseConfigurationError, match="limit"):
+        store.records(limit=-1)

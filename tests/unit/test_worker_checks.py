@@ -145,3 +145,12 @@ def test_store_options_that_are_not_a_dict_stop_the_worker(app: Celery) -> None:
     _leased(app)
     with pytest.raises(LeaseConfigurationError, match="leases_store_options must be a dict"):
         check_app(app, pool="prefork")
+
+
+def test_the_solo_pool_signal_in_the_worker_process_is_not_a_prefork_child() -> None:
+    from celery.signals import worker_process_init
+
+    from celery_leases.worker import in_prefork_child
+
+    worker_process_init.send(sender="solo@host")  # what the solo pool sends, in-process
+    assert not in_prefork_child()  # lease_on_lost="stop" must not kill the whole worker

@@ -1,0 +1,150 @@
+"""How the Redis lease store reads what Redis gives back.
+
+A record's hash fields become a :class:`LeaseRecord` (or
+:class:`~celery_leases.errors.LeaseRecordUnreadable`), and a redis-py error is
+judged an outage or a refusal that trying again cannot change. Also the
+password-free descriptions of a server for messages.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import redis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ClusterDownError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+
+from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
+
+__all__ = ["mask_url"]
+
+
+def mask_url(url: str) -> str:
+    """``url`` with any password (in the netloc or the query) replaced by ``***``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostinfo = netloc.rpartition("@")
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostinfo}"
+    query = "&".join(
+        f"{name}=***" if name.lower() == "password" else f"{name}={value}"
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    masked = f"{parts.scheme}://{netloc}{parts.path}"
+    if query:
+        masked += f"?{query}"
+    return masked
+
+
+def _describe(client: redis.Redis) -> str:
+    """A password-free URL naming the server of ``client``, for messages."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # a RedisCluster: no pool of its own, one per node
+        node = client.get_default_node()  # type: ignore[attr-defined]
+        return f"redis+cluster://{node.host}:{node.port}"
+    kwargs = pool.connection_kwargs
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    scheme = "rediss" if kwargs.get("ssl") else "redis"
+    host = kwargs.get("host", "localhost")
+    return f"{scheme}://{host}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _fields(flat: Sequence[Any]) -> dict[str, Any]:
+    """A field -> raw value dict from a flat HGETALL reply of a script."""
+    return {_text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+_WHOLE = re.compile(r"[0-9]+")
+_INT_FIELDS = ("claimed_at", "renewed_at", "completed_at", "released_at")
+
+
+def _record(job_id: str, raw: Mapping[Any, Any], where: str) -> LeaseRecord:
+    """The record of ``job_id`` from its raw hash fields.
+
+    Raises:
+        LeaseRecordUnreadable: a field is missing or is not what the store writes.
+    """
+    try:
+        fields = {_text(k): v for k, v in raw.items()}
+        outcome = fields.pop("outcome", None)
+        text = {name: _text(value) for name, value in fields.items()}
+        for name in ("generation", "lease_until", "renew_count", "takeovers", *_INT_FIELDS):
+            if name in text and not _WHOLE.fullmatch(text[name]):
+                raise ValueError(f"{name} is {text[name]!r}, not a whole number")
+        for name in ("owner", "generation", "lease_until", "state"):
+            if name not in text:
+                raise ValueError(f"the field {name!r} is missing")
+        times = {name: int(text[name]) if text.get(name) else None for name in _INT_FIELDS}
+        if isinstance(outcome, str):  # a client that decodes responses
+            outcome = outcome.encode("utf-8", "surrogateescape")
+        return LeaseRecord(
+            job_id=job_id,
+            owner=text["owner"],
+            generation=int(text["generation"]),
+            lease_until_ms=int(text["lease_until"]),
+            state=LeaseState(text["state"]),
+            task_name=text.get("task_name", ""),
+            claimed_at_ms=times["claimed_at"],
+            renewed_at_ms=times["renewed_at"],
+            completed_at_ms=times["completed_at"],
+            renew_count=int(text.get("renew_count") or 0),
+            takeovers=int(text.get("takeovers") or 0),
+            send_id=text.get("send_id", ""),
+            outcome=outcome,
+            released_at_ms=times["released_at"],
+            released_by=text.get("released_by", ""),
+            release_reason=text.get("release_reason", ""),
+        )
+    except ValueError as exc:  # UnicodeDecodeError and a bad state are ValueErrors
+        raise unreadable(job_id, where, str(exc)) from exc
+
+
+def _permanent(exc: RedisError) -> bool:
+    """Whether ``exc`` is a refusal that trying again cannot change.
+
+    Unreachable, timed out, loading, busy, read-only (a failover), out of
+    memory, a cluster that is down: the store is unavailable for now.
+    Credentials, rights, and any other error reply (an unknown command, a
+    server without scripting): a configuration to fix.
+    """
+    if isinstance(
+        exc,
+        (
+            AuthenticationError,
+            AuthorizationError,
+            NoPermissionError,
+            AuthenticationWrongNumberOfArgsError,
+        ),
+    ):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False  # connection errors, timeouts, BusyLoadingError, bad replies
+    if isinstance(exc, (ReadOnlyError, OutOfMemoryError, TryAgainError, ClusterDownError)):
+        return False
+    code = str(exc).split(" ", 1)[0].upper()
+    if code in ("NOAUTH", "WRONGPASS", "NOPERM"):
+        return True
+    return code not in ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+
+
+def _escape_glob(text: str) -> str:
+    """``text`` with the glob characters of SCAN MATCH escaped."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,267 @@
+"""The lease table, the clock and what differs between PostgreSQL and SQLite.
+
+Used by :mod:`celery_leases.stores.sql`; ``lease_table`` is public there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.sql.expression import ColumnElement, FromClause
+
+from celery_leases.errors import LeaseConfigurationError
+from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
+
+DEFAULT_TABLE_NAME = "celery_leases"
+
+
+_TABLE_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
+# --- the clock, per dialect --------------------------------------------------
+
+#: PostgreSQL: clock_timestamp() is the time at evaluation. now() and
+#: CURRENT_TIMESTAMP are the *transaction's* start and would stand still.
+POSTGRES_NOW_MS = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)"
+
+#: SQLite: julianday('now') is a REAL count of days that SQLite computes from
+#: integer milliseconds, and 'now' is the same for a whole sqlite3_step().
+#: 2440587.5 is the Unix epoch as a Julian day; ROUND undoes the float error
+#: so the result is the exact millisecond (never a text timestamp).
+SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+
+#: Option on connections that only read: SQLite then begins a deferred
+#: transaction instead of taking the write lock.
+_READ_ONLY_OPTION = "celery_leases_read_only"
+
+
+def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
+    """Define the lease table on ``metadata``.
+
+    Times are integer milliseconds on the database's clock.
+
+    Raises:
+        LeaseConfigurationError: ``table_name`` is not a plain identifier.
+    """
+    _check_table_name(table_name)
+    return sa.Table(
+        table_name,
+        metadata,
+        sa.Column("job_id", sa.String(255), primary_key=True),
+        sa.Column("owner", sa.String(255), nullable=False, server_default=""),
+        sa.Column("generation", sa.BigInteger, nullable=False),
+        sa.Column("lease_until", sa.BigInteger, nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("task_name", sa.String(255), nullable=False, server_default=""),
+        sa.Column("claimed_at", sa.BigInteger, nullable=True),
+        sa.Column("renewed_at", sa.BigInteger, nullable=True),
+        sa.Column("completed_at", sa.BigInteger, nullable=True),
+        sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
+        *_added_columns(),
+        # purge_completed and records(state=...) filter on these
+        sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
+    )
+
+
+def _added_columns() -> list[sa.Column[Any]]:
+    """Columns added after the first release; :func:`create_table` adds them
+    to a table made before them."""
+    return [
+        sa.Column("send_id", sa.String(255), nullable=False, server_default=""),
+        sa.Column("outcome", sa.LargeBinary, nullable=True),
+        sa.Column("released_at", sa.BigInteger, nullable=True),
+        sa.Column("released_by", sa.String(255), nullable=False, server_default=""),
+        sa.Column("release_reason", sa.Text, nullable=False, server_default=""),
+    ]
+
+
+def _add_missing_columns(conn: Connection, table: sa.Table) -> None:
+    """ALTER TABLE ... ADD COLUMN for each column an older table lacks."""
+    present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+    for column in _added_columns():
+        if column.name in present:
+            continue
+        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
+        conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+
+
+# --- what differs between PostgreSQL and SQLite ------------------------------
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """Everything dialect-specific, in one place."""
+
+    name: str
+    #: SQL text of "now in integer milliseconds" on the database's clock
+    now_sql: str
+    #: the dialect's INSERT, which has on_conflict_do_update
+    insert: Callable[[sa.Table], Any]
+    #: turns the bound JSON text of a renew batch into rows
+    #: (job_id, owner, generation, ttl)
+    batch_rows: Callable[[sa.BindParameter[str]], FromClause]
+    #: execution options of connections that write / only read
+    write_options: Mapping[str, Any]
+    read_options: Mapping[str, Any]
+    #: serializes concurrent CREATE TABLE inside a transaction
+    lock_for_ddl: Callable[[Connection, str], None]
+    #: true when a column holds a whole number (SQLite keeps any value in any
+    #: column, and then 'abc' + 1 is 1)
+    whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
+    #: the larger of two integers (GREATEST in PostgreSQL, two-argument
+    #: max() in SQLite)
+    greatest: Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[int]]
+
+    def now_ms(self) -> ColumnElement[int]:
+        """The database's clock in ms, as a column expression."""
+        return sa.literal_column(self.now_sql, sa.BigInteger)
+
+
+def _postgres_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
+    return (
+        sa.func.jsonb_to_recordset(sa.cast(batch, pg.JSONB))
+        .table_valued(
+            sa.column("job_id", sa.Text),
+            sa.column("owner", sa.Text),
+            sa.column("generation", sa.BigInteger),
+            sa.column("ttl", sa.BigInteger),
+        )
+        .render_derived(name="batch", with_types=True)
+    )
+
+
+def _sqlite_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
+    item = sa.func.json_each(batch).table_valued("value").alias("item")
+    return (
+        sa.select(
+            sa.func.json_extract(item.c.value, "$.job_id", type_=sa.String).label("job_id"),
+            sa.func.json_extract(item.c.value, "$.owner", type_=sa.String).label("owner"),
+            sa.func.json_extract(item.c.value, "$.generation", type_=sa.BigInteger).label(
+                "generation"
+            ),
+            sa.func.json_extract(item.c.value, "$.ttl", type_=sa.BigInteger).label("ttl"),
+        )
+        .select_from(item)
+        .subquery("batch")
+    )
+
+
+def _postgres_lock_for_ddl(conn: Connection, table_name: str) -> None:
+    # Two processes creating the table at once both pass checkfirst and one
+    # fails on the catalog's unique index; a transaction-scoped advisory
+    # lock on the table name makes them take turns.
+    conn.execute(
+        sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+        {"name": f"celery_leases:{table_name}"},
+    )
+
+
+def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
+    # BEGIN IMMEDIATE already holds the write lock: nothing else to take.
+    return None
+
+
+def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
+    return sa.func.greatest(a, b, type_=sa.BigInteger)
+
+
+def _sqlite_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
+    return sa.func.max(a, b, type_=sa.BigInteger)
+
+
+def _postgres_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    return sa.true()  # a BIGINT column holds nothing else
+
+
+def _sqlite_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
+    return sa.func.typeof(column) == "integer"
+
+
+_POSTGRES = _Dialect(
+    name="postgresql",
+    now_sql=POSTGRES_NOW_MS,
+    insert=pg.insert,
+    batch_rows=_postgres_batch_rows,
+    write_options={"isolation_level": "AUTOCOMMIT"},
+    read_options={"isolation_level": "AUTOCOMMIT"},
+    lock_for_ddl=_postgres_lock_for_ddl,
+    whole=_postgres_whole,
+    greatest=_postgres_greatest,
+)
+
+_SQLITE = _Dialect(
+    name="sqlite",
+    now_sql=SQLITE_NOW_MS,
+    insert=sqlite_dialect.insert,
+    batch_rows=_sqlite_batch_rows,
+    write_options={},
+    read_options={_READ_ONLY_OPTION: True},
+    lock_for_ddl=_sqlite_lock_for_ddl,
+    whole=_sqlite_whole,
+    greatest=_sqlite_greatest,
+)
+
+
+def _check_table_name(table_name: object) -> None:
+    if not isinstance(table_name, str) or not _TABLE_NAME_PATTERN.fullmatch(table_name):
+        raise LeaseConfigurationError(
+            f"table_name must be letters, digits and underscores (at most 40, not "
+            f"starting with a digit), got {table_name!r}"
+        )
+
+
+def _record(row: RowMapping, where: str) -> LeaseRecord:
+    """The record in ``row``.
+
+    Raises:
+        LeaseRecordUnreadable: a column holds what the store never writes.
+    """
+    job_id = str(row["job_id"])
+    try:
+        outcome = row["outcome"]
+        return LeaseRecord(
+            job_id=job_id,
+            owner=_text(row, "owner"),
+            generation=_whole(row, "generation"),
+            lease_until_ms=_whole(row, "lease_until"),
+            state=LeaseState(row["state"]),
+            task_name=_text(row, "task_name"),
+            claimed_at_ms=_optional_whole(row, "claimed_at"),
+            renewed_at_ms=_optional_whole(row, "renewed_at"),
+            completed_at_ms=_optional_whole(row, "completed_at"),
+            renew_count=_whole(row, "renew_count"),
+            takeovers=_whole(row, "takeovers"),
+            send_id=_text(row, "send_id"),
+            outcome=None if outcome is None else bytes(outcome),
+            released_at_ms=_optional_whole(row, "released_at"),
+            released_by=_text(row, "released_by"),
+            release_reason=_text(row, "release_reason"),
+        )
+    except (ValueError, TypeError) as error:
+        raise unreadable(job_id, where, str(error)) from error
+
+
+def _whole(row: RowMapping, name: str) -> int:
+    value = row[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} is {value!r}, not a whole number")
+    return value
+
+
+def _optional_whole(row: RowMapping, name: str) -> int | None:
+    return None if row[name] is None else _whole(row, name)
+
+
+def _text(row: RowMapping, name: str) -> str:
+    value = row[name]
+    if not isinstance(value, str):
+        raise ValueError(f"{name} is {value!r}, not text")
+    return value

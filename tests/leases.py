@@ -1,0 +1,40 @@
+"""Claiming a lease outside a task, for tests of the lease and the heartbeat."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from celery_leases import LeaseTiming
+from celery_leases.lease import Lease, make_owner
+from celery_leases.stores.base import Acquired, LeaseStore
+
+
+def claimed_lease(
+    store: LeaseStore,
+    job_id: str,
+    timing: LeaseTiming,
+    *,
+    on_lost: Callable[[Lease], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Lease:
+    """Claim ``job_id`` with a new owner token and wrap the claim in a :class:`Lease`.
+
+    The local clock is read before the claim is sent, as a worker does.
+    """
+    owner = make_owner()
+    started = clock()
+    result = store.claim(job_id, owner, timing.ttl)
+    assert isinstance(result, Acquired), result
+    return Lease(
+        job_id=job_id,
+        owner=owner,
+        generation=result.generation,
+        lease_until_ms=result.lease_until_ms,
+        started_at=started,
+        store=store,
+        timing=timing,
+        task_name="tests.job",
+        on_lost=on_lost,
+        clock=clock,
+    )

@@ -1,0 +1,100 @@
+"""The pytest plugin's fixtures, used as a library user would use them."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from celery_leases import (
+    Acquired,
+    HeldElsewhere,
+    LeaseConfigurationError,
+    LeaseStore,
+    Refusal,
+    StoreUnavailable,
+)
+from celery_leases.pytest_plugin import ENV_STORE, LeaseFaults
+from celery_leases.stores.memory import ManualClock, MemoryStore
+
+
+def test_lease_store_is_the_memory_store_on_the_manual_clock(
+    lease_store: LeaseStore, lease_clock: ManualClock
+) -> None:
+    assert isinstance(lease_store, MemoryStore)
+    claim = lease_store.claim("job", "owner-a", 10.0)
+    assert isinstance(claim, Acquired)
+    assert claim.store_now_ms == lease_clock.now_ms
+    lease_clock.advance(9.0)
+    assert isinstance(lease_store.claim("job", "owner-b", 10.0), HeldElsewhere)
+
+
+def test_expire_lets_another_worker_claim_the_next_generation(
+    lease_store: LeaseStore, lease_faults: LeaseFaults
+) -> None:
+    first = lease_store.claim("job", "owner-a", 60.0)
+    assert isinstance(first, Acquired)
+    lease_faults.expire(first)
+    second = lease_store.claim("job", "owner-b", 60.0)
+    assert isinstance(second, Acquired)
+    assert second.generation == first.generation + 1
+
+
+def test_steal_makes_the_holder_stale(lease_store: LeaseStore, lease_faults: LeaseFaults) -> None:
+    first = lease_store.claim("job", "owner-a", 60.0)
+    assert isinstance(first, Acquired)
+    stolen = lease_faults.steal("job")
+    assert stolen.generation == first.generation + 1
+    assert isinstance(lease_store.renew("job", "owner-a", first.generation, 60.0), Refusal)
+    assert isinstance(lease_store.complete("job", "owner-a", first.generation), Refusal)
+
+
+def test_store_down_fails_every_operation_until_the_block_ends(
+    lease_store: LeaseStore, lease_faults: LeaseFaults
+) -> None:
+    with lease_faults.store_down():
+        with pytest.raises(StoreUnavailable, match="store_down"):
+            lease_store.claim("job", "owner-a", 10.0)
+        with pytest.raises(StoreUnavailable):
+            lease_store.get("job")
+    assert isinstance(lease_store.claim("job", "owner-a", 10.0), Acquired)
+
+
+def test_a_store_url_from_the_environment_is_used(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    monkeypatch.setenv(ENV_STORE, f"sqlite:///{tmp_path / 'leases.db'}")
+    store = request.getfixturevalue("lease_store")
+    faults: LeaseFaults = request.getfixturevalue("lease_faults")
+    assert not isinstance(store, MemoryStore)
+    with pytest.raises(LeaseConfigurationError, match="steal"):
+        faults.expire("job")
+    first = store.claim("job", "owner-a", 0.3)
+    assert isinstance(first, Acquired)
+    # a real clock: steal waits for the lease to run out, then claims
+    assert faults.steal("job").generation == first.generation + 1
+
+
+def test_steal_gives_up_on_a_holder_that_keeps_renewing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    monkeypatch.setenv(ENV_STORE, f"sqlite:///{tmp_path / 'leases.db'}")
+    store = request.getfixturevalue("lease_store")
+    faults: LeaseFaults = request.getfixturevalue("lease_faults")
+    first = store.claim("job", "owner-a", 0.4)
+    assert isinstance(first, Acquired)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(0.1):
+            store.renew("job", "owner-a", first.generation, 0.4)
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        with pytest.raises(TimeoutError, match="keeps renewing"):
+            faults.steal("job", grace=0.5)
+    finally:
+        stop.set()
+        renewer.join(timeout=10)
