@@ -164,3 +164,51 @@ def test_a_generation_beyond_what_a_store_hands_out_is_a_configuration_error(
     record = store.get(job)
     assert record is not None
     assert record.state is LeaseState.HELD
+
+
+FIELDS = ["owner", "generation", "lease_until", "state", "renew_count", "takeovers", "claimed_at"]
+
+
+@FUZZ
+@given(
+    field=st.sampled_from(FIELDS),
+    value=st.one_of(
+        st.binary(max_size=12),
+        st.text(max_size=12),
+        st.sampled_from(["", "12abc", " 7", "1e3", "-1", "nan", "held", "completed", "9" * 30]),
+    ),
+)
+def test_a_corrupted_redis_record_is_unreadable_or_read_as_written(
+    redis_server: Any, unique: str, field: str, value: str | bytes
+) -> None:
+    """A record field overwritten with anything: every operation on the job
+    answers normally or raises a LeaseError; nothing else escapes, and a
+    corrupted generation never lets the old token through."""
+    from celery_leases import LeaseError, RenewRequest, open_store
+
+    store = open_store(redis_server.url, prefix=f"fz{unique}:")
+    try:
+        job = unique_job("corrupt")
+        claim = store.claim(job, "owner-a", 30)
+        assert isinstance(claim, Acquired)
+        store._client.hset(store.key(job), field, value)  # type: ignore[attr-defined]
+        answers: list[object] = []
+        for call in (
+            lambda: store.get(job),
+            lambda: store.renew(job, "owner-a", claim.generation, 5),
+            lambda: store.renew_many([RenewRequest(job, "owner-a", claim.generation, 5)]),
+            lambda: list(store.records()),
+            lambda: store.claim(job, "owner-b", 30),
+            lambda: store.release(job, "owner-a", claim.generation),
+            lambda: store.complete(job, "owner-a", claim.generation),
+        ):
+            try:
+                answers.append(call())
+            except LeaseError as exc:
+                answers.append(exc)
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        if field == "generation" and text != str(claim.generation):
+            assert not isinstance(answers[1], Renewed), answers
+            assert not isinstance(answers[6], Completed), answers
+    finally:
+        store.close()
