@@ -209,9 +209,7 @@ def _judge(report: DemoReport, generation: int | None, first_result: Any, record
     m = b_claim.generation if b_claim is not None else -1
     report.check("B claimed a higher generation", b_claim is not None and m > n)
     b_write = _find(events, "B", "ledger write accepted")
-    report.check(
-        "B's ledger write was accepted", b_write is not None and b_write.generation == m
-    )
+    report.check("B's ledger write was accepted", b_write is not None and b_write.generation == m)
     report.check("B completed", _find(events, "B", "completed") is not None)
     resumed = at("demo", "resumed A (SIGCONT)")
     report.check("A was resumed after B completed", resumed > at("B", "completed"))
