@@ -206,7 +206,7 @@ def _judge(report: DemoReport, generation: int | None, first_result: Any, record
         deferred >= 0 and (b_claim is None or deferred < names.index(("B", "claimed"))),
     )
     # the next generation is max(N + 1, the store's clock in ms): above N
-    m = b_claim.generation if b_claim is not None else -1
+    m = b_claim.generation if b_claim is not None and b_claim.generation is not None else -1
     report.check("B claimed a higher generation", b_claim is not None and m > n)
     b_write = _find(events, "B", "ledger write accepted")
     report.check("B's ledger write was accepted", b_write is not None and b_write.generation == m)
