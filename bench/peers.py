@@ -253,7 +253,14 @@ def write_report(
     """The Markdown table and the PNG plot."""
     loads = [r.load for r in results]
     lines = [
+        "# Peers benchmark: results",
+        "",
         "<!-- written by bench/peers.py: run it again rather than editing -->",
+        "",
+        "What these numbers mean and how they are taken: [Performance](performance.md#peers); "
+        "what each library does: [Comparison](comparison.md).",
+        "",
+        "![throughput ratio to plain Celery, per kind and pool](peers.png)",
         "",
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC with `{command}`: "
         f"{os.cpu_count()} cores, load average {min(loads):.1f}{DASH}{max(loads):.1f} "
@@ -309,7 +316,7 @@ def write_report(
     for kind in kinds:
         marks = " | ".join("yes" if g else "no" for g in GUARANTEES[kind])
         lines.append(f"| {kind} | {marks} |")
-    (out / "peers-table.md").write_text("\n".join(lines) + "\n")
+    (out / "peers.md").write_text("\n".join(lines) + "\n")
     _plot(results, args, kinds, out / "peers.png")
 
 
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(results, trips, args, kinds, args.out, command)
     (log_dir / "peers.json").write_text(json.dumps([r.__dict__ for r in results], indent=1) + "\n")
-    print((args.out / "peers-table.md").read_text())
+    print((args.out / "peers.md").read_text())
     print(f"per-run numbers: {log_dir / 'peers.json'}")
     return 0 if all(r.rate for r in results) else 1
 
