@@ -135,7 +135,7 @@ class _Monitor:
 
 def _run(
     servers: Servers, kind: str, workload: str, pool: str, concurrency: int,
-    tasks: int, ttl: float, log_dir: Path, monitor: bool = False,
+    tasks: int, ttl: float, log_dir: Path, monitor: bool = False, profile: Path | None = None,
 ) -> tuple[float, float, float, int]:  # fmt: skip
     """One worker run: (tasks/s, worker CPU ms per task, store commands per task, trips)."""
     work = WORKLOADS[workload][1]
@@ -169,7 +169,8 @@ def _run(
     log = log_dir / f"{queue}.log"
     worker = subprocess.Popen(
         [
-            sys.executable, "-m", "celery", "-A", "peer_tasks", "worker",
+            sys.executable, *(("-m", "cProfile", "-o", str(profile)) if profile else ()),
+            "-m", "celery", "-A", "peer_tasks", "worker",
             "--pool", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h",
             "--without-mingle", "--without-gossip", "--without-heartbeat",
             "--loglevel", "WARNING", "--logfile", str(log),
@@ -350,6 +351,24 @@ def _plot(results: list[Result], args: argparse.Namespace, kinds: list[str], pat
     plt.close(fig)
 
 
+def _profile(servers: Servers, kinds: list[str], args: argparse.Namespace, log_dir: Path) -> None:
+    """One cProfile'd worker per kind and pool (threads: the worker's own process)."""
+    import pstats
+
+    workload = args.workloads.split(",")[0]
+    tasks = args.tasks or WORKLOADS[workload][0]
+    for pool in args.pools.split(","):
+        for kind in kinds:
+            path = log_dir / f"{kind}-{pool}.prof"
+            rate, _, _, _ = _run(
+                servers, kind, workload, pool, args.concurrency, tasks, _ttl(args, workload),
+                log_dir, profile=path,
+            )  # fmt: skip
+            print(f"== {kind} on {pool}: {rate:.0f} tasks/s under the profiler ({path})")
+            stats = pstats.Stats(str(path))
+            stats.sort_stats("tottime").print_stats(18)
+
+
 def _ttl(args: argparse.Namespace, workload: str) -> float:
     return float(args.ttl if workload == "trivial" else args.short_ttl)
 
@@ -370,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true",
         help="smoke profile: 20 trivial tasks, solo, plain/leases-redis/floor, one repetition",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="instead: run each kind once per pool under cProfile and print where time goes",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
@@ -393,6 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     servers = Servers(broker, store, postgres, log_dir)
     results: list[Result] = []
     trips: dict[tuple[str, str], float] = {}
+    if args.profile:
+        try:
+            _profile(servers, runnable, args, log_dir)
+        finally:
+            broker.close()
+            store.close()
+            if postgres is not None:
+                postgres.close()
+        return 0
     try:
         for workload in args.workloads.split(","):
             tasks = args.tasks or WORKLOADS[workload][0]
