@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--concurrency", type=int, default=2)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--tasks", type=int, help="tasks per run (2000 trivial, 200 of 50 ms)")
+    parser.add_argument(
+        "--trivial-tasks", type=int, default=2000, help="tasks per run of the trivial workload"
+    )
     parser.add_argument("--ttl", type=float, default=30.0, help="lease ttl, trivial workload")
     parser.add_argument(
         "--short-ttl", type=float, default=0.3, help="lease ttl of the 50 ms workload (renewals)"
@@ -395,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: run each kind once per pool under cProfile and print where time goes",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    WORKLOADS["trivial"] = (args.trivial_tasks, 0.0)
     if args.quick:
         args.kinds, args.workloads, args.pools = "plain,leases-redis,floor", "trivial", "solo"
         args.repetitions, args.tasks = 1, args.tasks or 20
