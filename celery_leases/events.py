@@ -49,6 +49,7 @@ __all__ = [
     "EVENT_TYPES",
     "emit",
     "flush",
+    "stop",
     "task_events_enabled",
 ]
 
@@ -127,13 +128,17 @@ class _Flush:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+#: ends a sender's thread once everything queued before it went out
+_STOP: Any = object()
+
+
 class _Sender:
     """One daemon thread per app and process that publishes queued events."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.pid = os.getpid()
-        self.queue: queue.Queue[_Event | _Flush] = queue.Queue(QUEUE_SIZE)
+        self.queue: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
         self.dropped = 0
         #: publishes failed in a row; a broker that is down is logged once per 100
         self.failures = 0
@@ -162,9 +167,18 @@ class _Sender:
             return False
         return marker.done.wait(timeout)
 
+    def stop(self, timeout: float) -> None:
+        """Send what is queued, then end the thread (waits up to ``timeout``)."""
+        with contextlib.suppress(queue.Full):
+            self.queue.put(_STOP, timeout=timeout)
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             item = self.queue.get()
+            if item is _STOP:
+                self._reset()
+                return
             if isinstance(item, _Flush):
                 item.done.set()
                 continue
@@ -258,6 +272,19 @@ def flush(timeout: float = FLUSH_TIMEOUT) -> bool:
     with _senders_lock:
         senders = [s for s in _senders.values() if s.pid == os.getpid()]
     return all(sender.flush(timeout) for sender in senders)
+
+
+def stop(timeout: float = FLUSH_TIMEOUT) -> None:
+    """Send this process's queued events and end the sender threads.
+
+    The next event starts a sender again (see :func:`celery_leases.stop`).
+    """
+    with _senders_lock:
+        senders = [s for s in _senders.values() if s.pid == os.getpid()]
+        for app in [a for a, s in _senders.items() if s in senders]:
+            del _senders[app]
+    for sender in senders:
+        sender.stop(timeout)
 
 
 def _on_shutdown(**_: Any) -> None:

@@ -106,9 +106,11 @@ def stop() -> int:
     Returns:
         How many leases were released in the store.
     """
+    from celery_leases import events
     from celery_leases.notify import process_notifier
     from celery_leases.worker import release_held_leases
 
     released = release_held_leases("stopped")
-    process_notifier().stop()
+    process_notifier().stop()  # its last notices may queue events
+    events.stop()
     return released

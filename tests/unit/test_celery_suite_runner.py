@@ -71,6 +71,11 @@ def test_a_listed_test_that_passes_now_is_a_problem() -> None:
     assert "listed but passed now" in problems[0]
 
 
+def test_an_environment_failure_that_passes_is_fine() -> None:
+    expected = {"t/a.py::x": "env: slow machine"}
+    assert compare(_report(**{"t/a.py::x": "passed"}), expected, False) == []
+
+
 def test_a_listed_test_that_did_not_run_is_fine() -> None:
     expected = {"t/a.py::x": "core: bug"}
     assert compare(_report(**{"t/a.py::y": "passed"}), expected, False) == []
