@@ -102,7 +102,7 @@ def measure(url: str, count: int, timing: LeaseTiming, intervals: int) -> dict[s
             store=timed,
             timing=timing,
             task_name="bench.held",
-        )  # fmt: skip
+        )
         for claim, started in claims
     ]
     for lease in leases:
