@@ -349,6 +349,35 @@ def redis_cases(store: LeaseStore, url: str, supply: LeaseSupply) -> tuple[dict[
     return cases, f"baselines on {where}"
 
 
+def other_policy_lock_pairs(fsync: str, ttl: float, cleanup: list[Callable[[], None]]) -> Case:
+    """redis-py ``Lock`` pairs on a second redis-server with AOF policy ``fsync``.
+
+    A lock without fencing needs every write durable to keep its promise
+    (``appendfsync always``); leases keep theirs with ``everysec`` (the clock
+    bound on generations). This case measures the lock where it is safe.
+    """
+    import redis
+
+    server = RedisServer("--appendfsync", fsync)
+    client = redis.Redis.from_url(server.url)
+    cleanup.append(server.close)
+    cleanup.insert(0, client.close)
+
+    def lock_pairs(n: int) -> float:
+        names = [f"bench-lock:{uuid.uuid4().hex}" for _ in range(n)]
+
+        def loop() -> None:
+            for name in names:
+                lock = client.lock(name, timeout=ttl)
+                if not lock.acquire(blocking=False):
+                    raise BenchError(f"redis-py Lock {name!r} was not acquired")
+                lock.release()
+
+        return timed(loop)
+
+    return lock_pairs
+
+
 def sql_cases(store: LeaseStore, kind: str) -> dict[str, Case]:
     """``SELECT 1`` through the store's engine, one pooled connection per query.
 
@@ -451,11 +480,20 @@ def build_bench(kind: str, opened: Opened, args: argparse.Namespace) -> StoreBen
         extra, bench.note = redis_cases(store, opened.url, supply)
         cases.update(extra)
         bench.targets[:0] = [
-            Target("claim+complete pairs / Lock pairs", "claim+complete pair",
-                   "redis-py Lock pair", limit=1.5),
+            Target("claim+complete pairs / Lock pairs, same fsync policy",
+                   "claim+complete pair", "redis-py Lock pair", limit=1.0),
             Target("claim+complete pairs / PING", "claim+complete pair", "PING"),
             Target("claim / PING", "claim", "PING"),
         ]  # fmt: skip
+        lock_fsync = args.lock_appendfsync
+        if lock_fsync and lock_fsync != args.redis_appendfsync:
+            name = f"redis-py Lock pair, appendfsync {lock_fsync}"
+            cases[name] = other_policy_lock_pairs(lock_fsync, args.ttl, opened.cleanup)
+            bench.targets.insert(
+                1,
+                Target(f"claim+complete pairs / Lock pairs on appendfsync {lock_fsync}",
+                       "claim+complete pair", name, limit=1.5),
+            )  # fmt: skip
     elif kind == "postgres":
         cases.update(sql_cases(store, kind))
         # the target against the cheaper baseline: autocommit, as the store runs
@@ -787,6 +825,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="AOF fsync policy of the throwaway redis-server (default: always, as in the tests)",
     )
     parser.add_argument(
+        "--lock-appendfsync",
+        choices=("always", "everysec", "no"),
+        help="also time redis-py Lock on a second redis-server with this AOF fsync policy "
+        "(for example: leases on everysec against Lock on always)",
+    )
+    parser.add_argument(
         "--postgres-pre-ping",
         choices=("on", "off"),
         default="on",
@@ -852,7 +896,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"celery-leases store benchmark: {machine_line()}")
     print(
         f"{args.ops} operations per case per round, {args.rounds} rounds, batch of {args.batch}, "
-        f"redis appendfsync {args.redis_appendfsync}, postgres pre-ping {args.postgres_pre_ping}"
+        f"redis appendfsync {args.redis_appendfsync} (Lock also on "
+        f"{args.lock_appendfsync or args.redis_appendfsync}), "
+        f"postgres pre-ping {args.postgres_pre_ping}"
     )
     benches = [b for b in (bench_one(kind, args) for kind in args.kinds) if b is not None]
     if not benches:

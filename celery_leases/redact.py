@@ -32,6 +32,10 @@ def mask_url(url: str) -> str:
     """
     if "://" not in url:
         return url
+    parts_of_list = url.split(";")
+    if len(parts_of_list) > 1 and all("://" in part for part in parts_of_list):
+        # sentinel://a:26379;sentinel://b:26379, as kombu spells a Sentinel list
+        return ";".join(mask_url(part) for part in parts_of_list)
     try:
         parts = urlsplit(url)
         password = parts.password

@@ -16,7 +16,7 @@ from typing import TypeVar
 import pytest
 
 from celery_leases import LeaseStore, open_store
-from tests.servers import PostgresServer, RedisServer, ServerMissing
+from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -29,7 +29,7 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-Server = TypeVar("Server", RedisServer, PostgresServer)
+Server = TypeVar("Server", RedisServer, PostgresServer, RedisCluster)
 
 
 def serve(make: Callable[[], Server]) -> Generator[Server, None, None]:
@@ -58,6 +58,12 @@ def postgres_server() -> Iterator[PostgresServer]:
     yield from serve(PostgresServer)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """3 masters and 3 replicas, shared by the session (tests use their own prefix)."""
+    yield from serve(RedisCluster)
+
+
 @pytest.fixture
 def unique() -> str:
     """A short unique name for keys, prefixes and tables of one test."""
@@ -82,6 +88,9 @@ def store_url(
     if store_kind == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         return server.url, {"prefix": f"t{unique}:"}
+    if store_kind == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        return cluster.url, {"prefix": f"t{unique}:"}
     if store_kind == "postgres":
         pg: PostgresServer = request.getfixturevalue("postgres_server")
         return pg.url, {"table_name": f"leases_{unique}"}

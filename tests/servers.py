@@ -22,7 +22,9 @@ from pathlib import Path
 
 __all__ = [
     "PostgresServer",
+    "RedisCluster",
     "RedisServer",
+    "SentinelGroup",
     "ServerMissing",
     "find_postgres_bin",
     "free_port",
@@ -114,6 +116,30 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def copy_files(self) -> Path:
+        """A copy of the data folder as it is now (AOF and RDB files).
+
+        With ``appendfsync everysec`` a power loss keeps what was synced up
+        to a second ago; putting back this copy before :meth:`start` is
+        that loss, made on purpose.
+        """
+        copy = Path(tempfile.mkdtemp(prefix="leases-redis-copy-")) / "data"
+        shutil.copytree(self.dir, copy, ignore=shutil.ignore_patterns("*.log"))
+        return copy
+
+    def put_back(self, copy: Path) -> None:
+        """Replace the data folder with ``copy`` (the server is stopped)."""
+        assert self.proc is None, "stop or kill the server first"
+        for entry in self.dir.iterdir():
+            if entry.name.endswith(".log"):
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        shutil.copytree(copy, self.dir, dirs_exist_ok=True)
+        shutil.rmtree(copy.parent, ignore_errors=True)
+
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -138,8 +164,10 @@ class PostgresServer:
     it exists, else ``nobody``), since PostgreSQL refuses to run as root.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *settings: str) -> None:
         self.bin = find_postgres_bin()
+        #: extra ``name=value`` server settings, given as ``-c`` options
+        self.settings = settings
         self.root = Path(tempfile.mkdtemp(prefix="leases-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -179,6 +207,7 @@ class PostgresServer:
             f"-c unix_socket_directories={self.root} -c fsync=off "
             "-c max_connections=200 -c synchronous_commit=off"
         )
+        options += "".join(f" -c {setting}" for setting in self.settings)
         self._run(
             str(self.bin / "pg_ctl"),
             "-D", str(self.data),
@@ -200,3 +229,202 @@ class PostgresServer:
     def close(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _sentinel_command() -> list[str]:
+    binary = shutil.which("redis-sentinel")
+    if binary is not None:
+        return [binary]
+    server = shutil.which("redis-server")
+    if server is None:
+        raise ServerMissing("redis-sentinel is not installed (apt-get install redis-sentinel)")
+    return [server]  # redis-sentinel is redis-server started with --sentinel
+
+
+class SentinelGroup:
+    """One master, one replica and three sentinels watching them.
+
+    Each process is a real server on a free port; sentinels decide a master
+    is down after ``down_after_ms`` and fail over to the replica.
+    """
+
+    MASTER_NAME = "leases-master"
+
+    def __init__(self, down_after_ms: int = 1000) -> None:
+        self.master = RedisServer("--appendfsync", "everysec")
+        self.replica = RedisServer(
+            "--appendfsync", "everysec", "--replicaof", "127.0.0.1", str(self.master.port)
+        )
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        self.sentinel_ports: list[int] = []
+        self.dir = Path(tempfile.mkdtemp(prefix="leases-sentinel-"))
+        try:
+            self._start_sentinels(down_after_ms)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_sentinels(self, down_after_ms: int) -> None:
+        command = _sentinel_command()
+        for number in range(3):
+            port = free_port()
+            config = self.dir / f"sentinel-{number}.conf"
+            config.write_text(
+                f"port {port}\n"
+                "bind 127.0.0.1\n"
+                f"dir {self.dir}\n"
+                f"logfile {self.dir / f'sentinel-{number}.log'}\n"
+                f"sentinel monitor {self.MASTER_NAME} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER_NAME} {down_after_ms}\n"
+                f"sentinel failover-timeout {self.MASTER_NAME} 10000\n"
+                f"sentinel parallel-syncs {self.MASTER_NAME} 1\n"
+            )
+            args = [*command, str(config)]
+            if not command[0].endswith("redis-sentinel"):
+                args.append("--sentinel")
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _wait_for_port(port, proc)
+            self.sentinels.append(proc)
+            self.sentinel_ports.append(port)
+
+    def sentinel(self, *command: str, port: int | None = None) -> str:
+        """The reply of a sentinel (the first by default) to ``command``, as text."""
+        reply = subprocess.run(
+            ["redis-cli", "-p", str(port or self.sentinel_ports[0]), *command],
+            check=True, capture_output=True, text=True, timeout=5,
+        )  # fmt: skip
+        return reply.stdout
+
+    def wait_ready(self, timeout: float = 40.0) -> None:
+        """Wait until every sentinel knows the replica and the other sentinels."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = all(
+                "OK" in self.sentinel("SENTINEL", "ckquorum", self.MASTER_NAME, port=port)
+                and str(self.replica.port)
+                in self.sentinel("SENTINEL", "replicas", self.MASTER_NAME, port=port)
+                for port in self.sentinel_ports
+            )
+            if ready:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the sentinels did not see each other within {timeout} s")
+
+    def wait_master(self, port: int, timeout: float = 40.0) -> None:
+        """Wait until the sentinels name the server on ``port`` as the master."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.master_port() == port:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"no failover to port {port} within {timeout} s")
+
+    @property
+    def url(self) -> str:
+        """The sentinels, as kombu spells them."""
+        return ";".join(f"sentinel://127.0.0.1:{port}" for port in self.sentinel_ports)
+
+    def master_port(self) -> int | None:
+        """The master's port according to the first sentinel that answers."""
+        for port in self.sentinel_ports:
+            with contextlib.suppress(OSError, subprocess.CalledProcessError):
+                reply = subprocess.run(
+                    ["redis-cli", "-p", str(port), "SENTINEL", "get-master-addr-by-name",
+                     self.MASTER_NAME],
+                    check=True, capture_output=True, text=True, timeout=5,
+                )  # fmt: skip
+                lines = reply.stdout.split()
+                if len(lines) == 2:
+                    return int(lines[1])
+        return None
+
+    def close(self) -> None:
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.replica.close()
+        self.master.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisCluster:
+    """A Redis Cluster of 3 masters and 3 replicas, each a redis-server on a free port."""
+
+    def __init__(self) -> None:
+        self.nodes: list[RedisServer] = []
+        try:
+            for _ in range(6):
+                # the bus port is set: port + 10000 may be above 65535
+                node_args = [
+                    "--cluster-enabled", "yes",
+                    "--cluster-port", str(free_port()),
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", "1000",
+                    "--appendfsync", "everysec",
+                ]  # fmt: skip
+                self.nodes.append(RedisServer(*node_args))
+            self.cli(
+                "--cluster", "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas", "1", "--cluster-yes",
+            )  # fmt: skip
+            self.wait_ok()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The URL of the store: any one node; the client finds the others."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def cli(self, *args: str, timeout: float = 60.0) -> str:
+        reply = subprocess.run(
+            ["redis-cli", *args], check=True, capture_output=True, text=True, timeout=timeout
+        )
+        return reply.stdout
+
+    def node_cli(self, port: int, *args: str) -> str:
+        return self.cli("-p", str(port), *args)
+
+    def live_nodes(self) -> list[RedisServer]:
+        return [node for node in self.nodes if node.proc is not None]
+
+    def wait_ok(self, timeout: float = 60.0) -> None:
+        """Wait until every live node reports cluster_state:ok and agrees on the slots."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.SubprocessError):
+                if all(
+                    "cluster_state:ok" in self.node_cli(node.port, "CLUSTER", "INFO")
+                    for node in self.live_nodes()
+                ):
+                    check = self.cli("--cluster", "check", f"127.0.0.1:{self.live_nodes()[0].port}")
+                    if "[OK] All 16384 slots covered" in check and "[ERR]" not in check:
+                        return
+            time.sleep(0.2)
+        raise RuntimeError(f"the cluster was not ok within {timeout} s")
+
+    def node_of_slot(self, slot: int) -> RedisServer:
+        """The live master that serves ``slot``."""
+        for node in self.live_nodes():
+            with contextlib.suppress(subprocess.SubprocessError):
+                for line in self.node_cli(node.port, "CLUSTER", "NODES").splitlines():
+                    fields = line.split()
+                    if "master" not in fields[2] or "fail" in fields[2]:
+                        continue
+                    for span in fields[8:]:
+                        low, _, high = span.partition("-")
+                        if low.isdigit() and int(low) <= slot <= int(high or low):
+                            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                            return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no live master serves slot {slot}")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()

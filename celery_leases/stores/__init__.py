@@ -14,7 +14,8 @@ from celery_leases.stores.checks import hide_password
 
 __all__ = ["LeaseStore", "open_store"]
 
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
+_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
 
 
@@ -31,7 +32,10 @@ def open_store(url: str, **options: Any) -> LeaseStore:
     """Open the lease store that ``url`` names.
 
     Args:
-        url: ``redis://``, ``rediss://`` or ``unix://`` for Redis;
+        url: ``redis://``, ``rediss://`` or ``unix://`` for Redis, or
+            ``sentinel://host:26379;sentinel://host2:26379`` (with the
+            ``master_name=`` option) for Redis behind Sentinel;
+            ``redis+cluster://host:port`` for a Redis Cluster;
             ``postgresql+psycopg://`` or ``sqlite:///path`` for SQL;
             ``memory://`` for the in-process testing store.
         **options: passed to the store's ``from_url`` (for example
@@ -71,6 +75,12 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
         except ImportError as exc:
             raise _missing("redis", exc) from exc
         return RedisStore.from_url(url, **options)
+    if scheme in _CLUSTER_SCHEMES:
+        try:
+            from celery_leases.stores.redis_cluster import RedisClusterStore
+        except ImportError as exc:
+            raise _missing("redis", exc) from exc
+        return RedisClusterStore.from_url(url, **options)
     if scheme in _SQL_SCHEMES:
         try:
             from celery_leases.stores.sql import SqlStore
@@ -81,5 +91,6 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
         return SqlStore.from_url(url, **options)
     raise LeaseConfigurationError(
         f"unknown lease store scheme {scheme!r} in {hide_password(url)!r}; use one of "
-        "redis://, rediss://, unix://, postgresql+psycopg://, sqlite:///, memory://"
+        "redis://, rediss://, unix://, sentinel://, redis+cluster://, "
+        "postgresql+psycopg://, sqlite:///, memory://"
     )

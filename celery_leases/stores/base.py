@@ -5,13 +5,14 @@ A store implements a handful of atomic primitives (``_claim``, ``_renew``,
 times inside a store are integer milliseconds since the Unix epoch on the
 **store's** clock; a worker's clock is never compared with them.
 
-Generations (fencing tokens). The first claim of a job that has no record
-gets the store's clock in milliseconds as its generation; every later claim
-adds one. A completed or released record is purged only when it is older
-than the retention period *and* its generation is below the store's clock at purge
-time, so a record made again for the same job starts above every generation
-the job ever had (invariant I1), as long as the store's clock does not step
-back across the purge.
+Generations (fencing tokens). Every claim takes ``max(previous + 1, store
+clock in milliseconds)``; a job without a record starts at the clock. A
+store that lost its last writes (a restart from an older file, a promoted
+replica) or purged a finished record therefore still hands out generations
+above every one it handed out before (invariant I1), as long as its clock
+did not step back across the loss by more than the loss took to recover
+(docs/guarantees.md states the condition exactly). Generations stay far
+below 2**53, so Lua numbers and JSON keep them exact.
 """
 
 from __future__ import annotations
@@ -316,11 +317,10 @@ class LeaseStore(abc.ABC):
     def purge(self, older_than: float) -> int:
         """Delete completed and released records older than ``older_than`` s.
 
-        A record's age counts from its completion or release. It is kept
-        while its generation is not below the store's clock in milliseconds,
-        so a record made again later starts above it (I1). ``older_than`` is
-        at least :data:`MIN_RETENTION`: a late duplicate must still find a
-        job completed.
+        A record's age counts from its completion or release. A record made
+        again later starts at the store's clock, above the deleted one's
+        generation (I1). ``older_than`` is at least :data:`MIN_RETENTION`: a
+        late duplicate must still find a job completed.
 
         Returns:
             How many records were deleted.

@@ -16,6 +16,7 @@ from celery_leases.errors import LeaseConfigurationError
 __all__ = [
     "MAX_OUTCOME_BYTES",
     "MAX_TTL",
+    "MAX_GENERATION",
     "MIN_RETENTION",
     "REASON_LIMIT",
     "TEXT_LIMIT",
@@ -35,6 +36,10 @@ MAX_TTL = 86400.0
 
 #: Completed and released records younger than this are never purged (seconds).
 MIN_RETENTION = 60.0
+
+#: The largest generation: a store's clock in ms is far below it, and Lua
+#: numbers and JSON keep every integer up to it exact.
+MAX_GENERATION = 2**53 - 1
 
 #: The most characters a job id, owner, task name, send id or operator name may have.
 TEXT_LIMIT = 255
@@ -92,8 +97,15 @@ def check_owner(owner: object) -> str:
 
 
 def check_generation(generation: object) -> int:
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
-        raise LeaseConfigurationError(f"generation must be a positive integer, got {generation!r}")
+    """``generation`` if it is a whole number a store can have handed out."""
+    if (
+        isinstance(generation, bool)
+        or not isinstance(generation, int)
+        or not 1 <= generation <= MAX_GENERATION
+    ):
+        raise LeaseConfigurationError(
+            f"generation must be a positive integer below 2**53, got {generation!r}"
+        )
     return generation
 
 

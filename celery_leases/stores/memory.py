@@ -87,13 +87,13 @@ class MemoryStore(LeaseStore):
                         job_id, record.generation, record.send_id, record.outcome
                     )
                 # a new send of a completed job: a new run
-                generation = record.generation + 1
+                generation = max(record.generation + 1, now)
             elif record.is_live(now):
                 return HeldElsewhere(
                     job_id, record.owner, record.generation, (record.lease_until_ms - now) / 1000
                 )
             else:
-                generation = record.generation + 1
+                generation = max(record.generation + 1, now)
                 # a held record whose lease ran out: its holder died or stalled
                 takeovers = record.takeovers + (record.state is LeaseState.HELD)
             self._data[job_id] = LeaseRecord(
@@ -205,9 +205,7 @@ class MemoryStore(LeaseStore):
             doomed = [
                 job_id
                 for job_id, r in self._data.items()
-                if (finished := _finished_at(r)) is not None
-                and finished <= now - older_than_ms
-                and r.generation < now
+                if (finished := _finished_at(r)) is not None and finished <= now - older_than_ms
             ]
             for job_id in doomed:
                 del self._data[job_id]

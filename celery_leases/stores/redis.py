@@ -24,6 +24,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from celery_leases.errors import (
     LeaseConfigurationError,
@@ -32,6 +33,7 @@ from celery_leases.errors import (
     StoreUnavailable,
 )
 from celery_leases.stores import redis_scripts as scripts
+from celery_leases.stores import redis_sentinel
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -117,6 +119,8 @@ class RedisStore(LeaseStore):
         self.url = _describe(client)
         self.prefix = prefix
         self._client = client
+        #: the sentinels a sentinel:// URL named, closed with the store
+        self._sentinel: Sentinel | None = None
         self._claim_script = _Script(scripts.CLAIM_SCRIPT)
         self._renew_script = _Script(scripts.RENEW_SCRIPT)
         self._complete_script = _Script(scripts.COMPLETE_SCRIPT)
@@ -136,10 +140,14 @@ class RedisStore(LeaseStore):
         check_config: bool = True,
         **client_options: Any,
     ) -> RedisStore:
-        """Open the store at ``url`` (``redis://``, ``rediss://``, ``unix://``).
+        """Open the store at ``url`` (``redis://``, ``rediss://``, ``unix://``,
+        or Sentinel's ``sentinel://host:26379;sentinel://host2:26379``).
 
         Args:
-            url: the server URL, as ``redis.Redis.from_url`` reads it.
+            url: the server URL, as ``redis.Redis.from_url`` reads it, or
+                the sentinels' URLs joined by ``;`` (with the
+                ``master_name=`` option; see
+                :mod:`celery_leases.stores.redis_sentinel`).
             prefix: put in front of every key.
             check_config: see :class:`RedisStore`.
             **client_options: passed to ``redis.Redis.from_url``. By default
@@ -156,22 +164,31 @@ class RedisStore(LeaseStore):
             "retry": Retry(NoBackoff(), 0),
             **client_options,
         }
-        try:
-            client = redis.Redis.from_url(url, **options)
-        except (ValueError, TypeError) as exc:
-            raise LeaseConfigurationError(
-                f"cannot open the Redis lease store {mask_url(url)!r}: {exc}"
-            ) from exc
+        sentinel = None
+        if url.split("://", 1)[0].lower() == redis_sentinel.SENTINEL_SCHEME:
+            client, sentinel = redis_sentinel.sentinel_client(url, options)
+            shown = redis_sentinel.mask_sentinel_url(url)
+        else:
+            try:
+                client = redis.Redis.from_url(url, **options)
+            except (ValueError, TypeError) as exc:
+                raise LeaseConfigurationError(
+                    f"cannot open the Redis lease store {mask_url(url)!r}: {exc}"
+                ) from exc
+            shown = mask_url(url)
         store = cls(client, prefix=prefix, check_config=False)
-        store.url = mask_url(url)
+        store.url = shown
+        store._sentinel = sentinel
         store._config_pending = check_config
         if check_config:
             store._check_config()
         return store
 
     def close(self) -> None:
-        """Close the client and its connection pool."""
+        """Close the client and its connection pool (and the sentinels')."""
         self._client.close()
+        if self._sentinel is not None:
+            self._sentinel.close()
 
     def key(self, job_id: str) -> str:
         """The Redis key of ``job_id``'s record."""

@@ -51,7 +51,11 @@ def mask_url(url: str) -> str:
 
 def _describe(client: redis.Redis) -> str:
     """A password-free URL naming the server of ``client``, for messages."""
-    kwargs = client.connection_pool.connection_kwargs
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:  # a RedisCluster: no pool of its own, one per node
+        node = client.get_default_node()  # type: ignore[attr-defined]
+        return f"redis+cluster://{node.host}:{node.port}"
+    kwargs = pool.connection_kwargs
     if kwargs.get("path"):
         return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
     scheme = "rediss" if kwargs.get("ssl") else "redis"

@@ -79,20 +79,23 @@ if r == false then
   return {4}
 end
 local now = now_ms()
+-- Every claim takes max(previous + 1, clock): after a restart from an older
+-- file, or a failover to a replica that missed the last claims, the clock is
+-- still above every generation handed out before (I1).
 local generation, takeovers
 if r == nil then
-  -- a new record starts at the clock: above any generation of a purged one
+  -- a new record (or one purged, or lost) starts at the clock
   generation, takeovers = now, 0
 elseif r.state == 'completed' then
   if ARGV[5] ~= '1' or send_id == r.send_id then
     return {3, r.generation, r.send_id, redis.call('HGET', key, 'outcome')}
   end
   -- another send of a completed job: a new run
-  generation, takeovers = r.generation + 1, 0
+  generation, takeovers = math.max(r.generation + 1, now), 0
 elseif r.state == 'held' and r.lease_until > now then
   return {2, r.owner, r.generation, r.lease_until, now}
 else
-  generation, takeovers = r.generation + 1, r.takeovers
+  generation, takeovers = math.max(r.generation + 1, now), r.takeovers
   if r.state == 'held' then
     -- the holder's lease ran out without a release: it died or stalled
     takeovers = takeovers + 1
@@ -203,8 +206,10 @@ return {1, redis.call('HGETALL', key)}
 )
 
 #: Delete one completed or released record if it finished long enough ago
-#: and its generation is below the clock, so a record made again starts
-#: above it (I1). A key that is not a readable record is never deleted.
+#: (a late duplicate must still find the job completed). A record made
+#: again starts at the clock, above the deleted one's generation (I1), as a
+#: record a store lost would. A key that is not a readable record is never
+#: deleted.
 #: KEYS[1] record key; ARGV[1] retention in ms.
 #: Returns 1 deleted, 0 kept.
 PURGE_ONE_SCRIPT = (
@@ -227,7 +232,7 @@ if not whole(finished) then
   return 0
 end
 local now = now_ms()
-if tonumber(finished) <= now - tonumber(ARGV[1]) and r.generation < now then
+if tonumber(finished) <= now - tonumber(ARGV[1]) then
   redis.call('DEL', KEYS[1])
   return 1
 end

@@ -70,9 +70,12 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     A new row gets generation = now. An existing row is taken over only if
     it is released, held with a lease that ran out, or completed under
     another send id than a given ``:p_send_id`` (a new run); then its
-    generation goes up by one and a held one counts as a takeover (a new run
-    starts counting again). The clock is read once, in ``n``; the DO UPDATE
-    reads it back as ``excluded.claimed_at``.
+    generation becomes ``max(generation + 1, now)`` and a held one counts as
+    a takeover (a new run starts counting again). The clock bound keeps
+    generations above every one handed out before when the database lost
+    its last commits (``synchronous_commit=off``, a promoted replica). The
+    clock is read once, in ``n``; the DO UPDATE reads it back as
+    ``excluded.claimed_at``.
     """
     t = table
     n = _now_row(dialect)
@@ -116,7 +119,7 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
         index_elements=[t.c.job_id],
         set_={
             "owner": insert.excluded.owner,
-            "generation": t.c.generation + 1,
+            "generation": dialect.greatest(t.c.generation + 1, now),
             "lease_until": insert.excluded.lease_until,
             "state": held,
             "task_name": insert.excluded.task_name,
@@ -281,8 +284,6 @@ class _Statements:
                         sa.func.coalesce(t.c.released_at, t.c.lease_until) <= purge_before,
                     ),
                 ),
-                # a record made again later starts at the clock then: above this
-                t.c.generation < purge_now,
                 dialect.whole(t.c.generation),
             ),
         )

@@ -116,6 +116,9 @@ class _Dialect:
     #: true when a column holds a whole number (SQLite keeps any value in any
     #: column, and then 'abc' + 1 is 1)
     whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
+    #: the larger of two integers (GREATEST in PostgreSQL, two-argument
+    #: max() in SQLite)
+    greatest: Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[int]]
 
     def now_ms(self) -> ColumnElement[int]:
         """The database's clock in ms, as a column expression."""
@@ -166,6 +169,14 @@ def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
     return None
 
 
+def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
+    return sa.func.greatest(a, b, type_=sa.BigInteger)
+
+
+def _sqlite_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
+    return sa.func.max(a, b, type_=sa.BigInteger)
+
+
 def _postgres_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
     return sa.true()  # a BIGINT column holds nothing else
 
@@ -183,6 +194,7 @@ _POSTGRES = _Dialect(
     read_options={"isolation_level": "AUTOCOMMIT"},
     lock_for_ddl=_postgres_lock_for_ddl,
     whole=_postgres_whole,
+    greatest=_postgres_greatest,
 )
 
 _SQLITE = _Dialect(
@@ -194,6 +206,7 @@ _SQLITE = _Dialect(
     read_options={_READ_ONLY_OPTION: True},
     lock_for_ddl=_sqlite_lock_for_ddl,
     whole=_sqlite_whole,
+    greatest=_sqlite_greatest,
 )
 
 

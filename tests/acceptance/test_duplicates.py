@@ -68,15 +68,17 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
     record = cluster.wait_record(
         result.id, state=LeaseState.COMPLETED, timeout=40, message="the deferred copy to finish"
     )
-    assert record.generation == generation_a + 1
+    assert record.claimed_at_ms is not None
+    generation_b = max(generation_a + 1, record.claimed_at_ms)
+    assert record.generation == generation_b
     # B claimed A's run-out lease, not a released one
     assert record.takeovers == 1
     (started_b,) = [e for e in cluster.side.events(result.id, "start") if e != started_a]
-    assert started_b["generation"] == generation_a + 1
+    assert started_b["generation"] == generation_b
     assert started_b["worker"].startswith(f"{worker_b.name}@")
 
     value = AsyncResult(result.id, app=cluster.new_app()).get(timeout=10)
-    assert value == {"worker": started_b["worker"], "generation": generation_a + 1}
+    assert value == {"worker": started_b["worker"], "generation": generation_b}
     assert cluster.side.done_count(result.id) == 1
     succeeded = re.escape(f"Task {STEPS}[{result.id}] succeeded")
     assert len(re.findall(succeeded, worker_a.log() + worker_b.log())) == 1
@@ -115,7 +117,7 @@ def test_takeover_past_limit_fails_job_without_running_it(cluster: Cluster) -> N
     record = cluster.wait_record(
         result.id, state=LeaseState.COMPLETED, timeout=40, message="the poison verdict"
     )
-    assert record.generation == started_a["generation"] + 1
+    assert record.generation > started_a["generation"]
     assert record.takeovers == 1
     result.get(timeout=20, propagate=False)
     assert result.state == "FAILURE"

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from celery_leases import LeaseState
 from tests.acceptance.app import STEPS
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import REPO_ROOT, wait_until
@@ -240,24 +241,33 @@ def test_task_that_moved_between_workers_shows_each_attempt(
     assert info["state"] == "STARTED"
     worker_a.kill()
 
-    info = flower.wait_task(
-        result.id, timeout=60, state="SUCCESS", lease_generation=generation_a + 1
-    )
+    generation_b = _completed_generation(cluster, result.id, generation_a)
+    info = flower.wait_task(result.id, timeout=60, state="SUCCESS", lease_generation=generation_b)
     info = flower.wait_task(result.id, timeout=10, lease_fate=info["lease_fate"])
     claims = [e for e in info["lease_attempts"] if e.get("generation") is not None]
     assert [(e["generation"], e["worker"]) for e in claims] == [
         (generation_a, started_a["worker"]),
-        (generation_a + 1, info["lease_ran_on"]),
+        (generation_b, info["lease_ran_on"]),
     ]
     assert info["lease_ran_on"].startswith(f"{worker_b.name}@")
     assert claims[1]["outcome"] == "completed"
     assert claims[1]["takeovers"] == 1
     assert info["lease_takeovers"] == 1
-    assert info["lease_fate"].startswith(f"completed by generation {generation_a + 1}")
+    assert info["lease_fate"].startswith(f"completed by generation {generation_b}")
     deferred = [e for e in info["lease_attempts"] if e["outcome"] == "deferred"]
     assert deferred
     assert deferred[0]["reason"] == "held"
     assert info["worker"] == info["lease_ran_on"]
+
+
+def _completed_generation(cluster: Cluster, job_id: str, generation_a: int) -> int:
+    """The generation that completed the job: the claim after A's, max(A + 1, clock)."""
+    record = cluster.wait_record(
+        job_id, state=LeaseState.COMPLETED, timeout=60, message="B's completion"
+    )
+    assert record.claimed_at_ms is not None
+    assert record.generation == max(generation_a + 1, record.claimed_at_ms)
+    return record.generation
 
 
 def test_a_stale_run_that_wakes_up_late_shows_as_fenced_out(
@@ -276,7 +286,8 @@ def test_a_stale_run_that_wakes_up_late_shows_as_fenced_out(
     worker_a.freeze()
     try:
         cluster.send(STEPS, 4.0, task_id=result.id)
-        flower.wait_task(result.id, timeout=60, state="SUCCESS", lease_generation=generation_a + 1)
+        generation_b = _completed_generation(cluster, result.id, generation_a)
+        flower.wait_task(result.id, timeout=60, state="SUCCESS", lease_generation=generation_b)
     finally:
         worker_a.thaw()
 
@@ -292,4 +303,4 @@ def test_a_stale_run_that_wakes_up_late_shows_as_fenced_out(
     assert info["state"] == "SUCCESS"
     assert info["lease_ran_on"].startswith(f"{worker_b.name}@")
     assert info["worker"] == info["lease_ran_on"]
-    assert info["lease_fate"].startswith(f"completed by generation {generation_a + 1}")
+    assert info["lease_fate"].startswith(f"completed by generation {generation_b}")

@@ -32,7 +32,7 @@ from celery_leases import (
 from celery_leases.stores.memory import MemoryStore
 from celery_leases.stores.redis import RedisStore
 from celery_leases.stores.sql import SqlStore
-from tests.conftest import StoreFactory
+from tests.conftest import STORE_KINDS, StoreFactory
 
 JOB = "job-1"
 A = "worker-a"
@@ -46,6 +46,12 @@ MARGIN_MS = 150
 # --- writing records behind the store's back --------------------------------
 # purge_completed keeps records for at least a minute; instead of waiting, the
 # purge tests age a record by editing it directly in the store's storage.
+
+
+@pytest.fixture(params=[*STORE_KINDS, "redis-cluster"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every store, and the Redis store on a cluster of 3 masters and 3 replicas."""
+    return str(request.param)
 
 
 def backdate_completion(store: LeaseStore, job_id: str, seconds: float) -> None:
@@ -130,7 +136,7 @@ def test_worked_example_stale_holder_is_refused(store: LeaseStore) -> None:
     a = acquire(store, A, ttl=SHORT_TTL)
     wait_until_run_out(store, a.lease_until_ms)
     b = acquire(store, B, ttl=30)
-    assert b.generation == a.generation + 1
+    assert b.generation == max(a.generation + 1, b.store_now_ms)
     assert b.takeovers == 1
 
     renew = store.renew(JOB, A, a.generation, 30)
@@ -187,7 +193,8 @@ def test_handles_on_the_same_store_see_one_record(open_test_store: StoreFactory)
     assert isinstance(held, HeldElsewhere)
     assert held.generation == first.generation
     assert two.release(JOB, A, first.generation) == Released(JOB, first.generation)
-    assert acquire(one, B).generation == first.generation + 1
+    second = acquire(one, B)
+    assert second.generation == max(first.generation + 1, second.store_now_ms)
 
 
 # --- renew -----------------------------------------------------------------
@@ -336,7 +343,7 @@ def test_complete_of_a_run_out_lease_nobody_claimed_is_accepted(store: LeaseStor
     assert store.complete(JOB, A, first.generation) == Completed(JOB, first.generation)
 
 
-def test_release_keeps_the_generation_and_the_next_claim_adds_one(store: LeaseStore) -> None:
+def test_release_keeps_the_generation_and_the_next_claim_goes_above(store: LeaseStore) -> None:
     first = acquire(store)
     assert store.release(JOB, A, first.generation) == Released(JOB, first.generation)
     record = store.get(JOB)
@@ -344,7 +351,8 @@ def test_release_keeps_the_generation_and_the_next_claim_adds_one(store: LeaseSt
     assert record.state is LeaseState.RELEASED
     assert record.owner == ""
     assert record.generation == first.generation
-    assert acquire(store, B).generation == first.generation + 1
+    second = acquire(store, B)
+    assert second.generation == max(first.generation + 1, second.store_now_ms)
 
 
 def test_release_by_stale_owner_is_refused(store: LeaseStore) -> None:
@@ -488,20 +496,31 @@ def test_purge_deletes_only_completed_records_past_the_retention(store: LeaseSto
     assert store.purge_completed(90) == 0
 
 
-def test_purge_keeps_a_record_whose_generation_is_not_below_the_store_clock(
-    store: LeaseStore,
-) -> None:
-    # A generation from the future (the store clock stepped back since it was
-    # handed out): deleting the record would let a new first claim reuse it.
+def test_purge_deletes_an_old_record_whatever_its_generation(store: LeaseStore) -> None:
+    # A claim made again takes max(previous + 1, clock): the purge no longer
+    # waits for the clock to pass the generation (I1 rests on the clock).
     done = acquire(store)
     store.complete(JOB, A, done.generation)
-    future = store.now_ms() + 3_600_000
-    force_generation(store, JOB, future)
+    force_generation(store, JOB, store.now_ms() + 3_600_000)
     backdate_completion(store, JOB, seconds=120)
-    assert store.purge_completed(60) == 0
-    record = store.get(JOB)
-    assert record is not None
-    assert record.generation == future
+    assert store.purge(60) == 1
+    assert store.get(JOB) is None
+
+
+def test_a_claim_takes_the_store_clock_once_it_passed_the_generation(store: LeaseStore) -> None:
+    first = acquire(store)
+    store.release(JOB, A, first.generation)
+    wait_for_store_clock(store, first.generation + 20)
+    second = acquire(store, B)
+    assert second.generation == second.store_now_ms > first.generation + 20
+
+
+def test_a_claim_over_a_generation_ahead_of_the_clock_adds_one(store: LeaseStore) -> None:
+    first = acquire(store)
+    store.release(JOB, A, first.generation)
+    ahead = store.now_ms() + 3_600_000
+    force_generation(store, JOB, ahead)
+    assert acquire(store, B).generation == ahead + 1
 
 
 def test_claim_after_purge_gets_a_higher_generation(store: LeaseStore) -> None:
@@ -530,6 +549,7 @@ def test_claim_after_purge_gets_a_higher_generation(store: LeaseStore) -> None:
         (lambda s: s.renew(JOB, A, 0, 30), "generation"),
         (lambda s: s.complete(JOB, "", 1), "owner"),
         (lambda s: s.release(JOB, A, True), "generation"),
+        (lambda s: s.complete(JOB, A, 2**53), "2\\*\\*53"),
         (lambda s: s.renew_many([RenewRequest(JOB, A, 1, -1)]), "ttl"),
     ],
 )

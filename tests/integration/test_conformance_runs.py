@@ -75,7 +75,7 @@ def test_new_send_of_a_completed_job_is_a_new_run(store: LeaseStore) -> None:
     store.complete(JOB, A, first.generation, outcome=b"first result")
     second = store.claim(JOB, B, 30, send_id="send-2")
     assert isinstance(second, Acquired)
-    assert second.generation == first.generation + 1
+    assert second.generation == max(first.generation + 1, second.store_now_ms)
     assert second.takeovers == 0
     record = store.get(JOB)
     assert record is not None
@@ -107,7 +107,7 @@ def test_claim_over_a_released_record_stores_the_new_send_id(store: LeaseStore) 
     first = claim_sent(store, "send-1")
     store.release(JOB, A, first.generation)
     second = claim_sent(store, "send-2", owner=B)
-    assert second.generation == first.generation + 1
+    assert second.generation == max(first.generation + 1, second.store_now_ms)
     record = store.get(JOB)
     assert record is not None
     assert record.send_id == "send-2"
@@ -324,7 +324,7 @@ def test_force_release_fences_out_the_holder(store: LeaseStore) -> None:
         assert refused.reason is RefusalReason.SUPERSEDED
         assert refused.current_generation == held.generation + 1
     following = acquire(store, B)
-    assert following.generation == held.generation + 2
+    assert following.generation == max(held.generation + 2, following.store_now_ms)
     assert following.takeovers == 0
     record_after = store.get(JOB)
     assert record_after is not None

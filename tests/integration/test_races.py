@@ -202,9 +202,10 @@ def test_one_winner_per_round_and_no_generation_twice(racers: Racers, store: Lea
 
         for winner in winners:
             assert winner.generation is not None
-            assert not handed_out or winner.generation == handed_out[-1] + 1, (
-                f"round {round_no}: generation {winner.generation} after {handed_out[-1]}"
-            )
+            assert winner.store_now_ms is not None
+            assert not handed_out or winner.generation == max(
+                handed_out[-1] + 1, winner.store_now_ms
+            ), f"round {round_no}: generation {winner.generation} after {handed_out[-1]}"
             handed_out.append(winner.generation)
 
         last = winners[-1]
@@ -250,7 +251,8 @@ def test_renew_after_run_out_races_claims_and_one_side_wins(
             assert renewal.reason == RefusalReason.SUPERSEDED.value
             assert len(winners) == 1, f"round {round_no}: {len(winners)} winners: {winners}"
             winner = winners[0]
-            assert winner.generation == held.generation + 1
+            assert winner.store_now_ms is not None
+            assert winner.generation == max(held.generation + 1, winner.store_now_ms)
             assert renewal.generation == winner.generation
             assert {a.generation for a in claims if a.kind == "held"} <= {winner.generation}
             handed_out.append(winner.generation)

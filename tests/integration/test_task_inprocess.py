@@ -120,7 +120,7 @@ def test_retry_releases_and_the_retry_claims_the_next_generation(
         result = flaky.delay()
         assert result.get(timeout=WAIT) == "done"
     first, second = recorder.of("generation")
-    assert second == first + 1
+    assert second > first
     assert [r["reason"] for r in recorder.of("lease_released")] == ["retry"]
 
 
@@ -164,7 +164,7 @@ def test_a_task_id_sent_again_after_completion_is_a_new_run(
         echo.apply_async(("second",), task_id=task_id)  # a new send, as Celery sees it
         recorder.wait("body", count=2)  # (Celery keeps the first SUCCESS in the backend)
     (_, first), (_, second) = recorder.of("body")
-    assert second == first + 1  # serialized by the lease, fenced by the next generation
+    assert second > first  # serialized by the lease, fenced by a later generation
 
 
 def test_a_duplicate_while_held_is_deferred_and_completes_once(
@@ -193,7 +193,10 @@ def test_a_duplicate_while_held_is_deferred_and_completes_once(
     record = store.get(task_id)
     assert record is not None
     assert record.state is LeaseState.COMPLETED
-    assert record.generation == held.generation + 1  # type: ignore[union-attr]
+    assert record.generation == max(
+        held.generation + 1,  # type: ignore[union-attr]
+        record.claimed_at_ms,
+    )
 
 
 def test_store_down_at_claim_defers_until_it_is_back(
@@ -415,7 +418,7 @@ def test_a_singleton_key_serializes_calls_and_each_gets_its_answer(
             "report:8 on tuesday"
         )
     monday, tuesday, other = recorder.of("body")
-    assert tuesday[2] == monday[2] + 1
+    assert tuesday[2] > monday[2]
     assert other[0] == "report:8"
 
 

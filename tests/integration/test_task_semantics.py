@@ -72,7 +72,7 @@ def test_replace_in_a_worker_hands_the_job_to_the_replacement(
         assert result.get(timeout=WAIT) == 42
     [outer_generation] = recorder.of("outer")
     [add_generation] = recorder.of("add")
-    assert add_generation == outer_generation + 1
+    assert add_generation > outer_generation
     assert recorder.of("duplicate_deferred") == []  # released before the replacement went out
 
 
@@ -166,7 +166,7 @@ def test_retry_without_throw_still_retries(
         attempts = recorder.wait("attempt", count=2)
     (first_try, first_generation), (second_try, second_generation) = attempts
     assert (first_try, second_try) == (0, 1)
-    assert second_generation == first_generation + 1
+    assert second_generation > first_generation
 
 
 def test_a_stale_run_calling_retry_writes_nothing_and_sends_no_retry(
@@ -250,7 +250,7 @@ def test_a_run_lost_by_its_deadline_releases_so_the_copy_runs_without_a_takeover
         [fenced] = recorder.of("lease_fenced_out")
         record = store_for(app).get(result.id)
     assert fenced["reason"] == "deadline"
-    assert generation == second == first + 1
+    assert generation == second > first
     assert record is not None
     assert record.takeovers == 0  # the fenced-out run gave its lease back
 

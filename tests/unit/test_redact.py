@@ -26,6 +26,10 @@ SECRET = "s3cret-Pw"
             f"postgresql+psycopg://app:{MASK}@db:5432/leases",
         ),
         ("postgresql+psycopg://app:p%40ss@db/leases", f"postgresql+psycopg://app:{MASK}@db/leases"),
+        (
+            f"sentinel://h1:26379;sentinel://:{SECRET}@h2:26379/0",
+            f"sentinel://h1:26379;sentinel://:{MASK}@h2:26379/0",
+        ),
     ],
 )
 def test_mask_url_hides_the_password(url: str, masked: str) -> None:

@@ -88,14 +88,15 @@ def test_lease_is_live_until_its_last_millisecond(store: MemoryStore, clock: Man
     clock.advance(0.001)
     second = store.claim(JOB, B, 1)
     assert isinstance(second, Acquired)
-    assert second.generation == first.generation + 1
+    # the clock moved on by a whole second: the generation follows it
+    assert second.generation == first.generation + 1000
 
 
 def test_worked_example_stale_holder_is_refused(store: MemoryStore, clock: ManualClock) -> None:
     a = acquire(store, A, ttl=1)
     clock.advance(1.5)
     b = acquire(store, B, ttl=10)
-    assert b.generation == a.generation + 1
+    assert b.generation == a.generation + 1500
     assert b.takeovers == 1
 
     for refused in (store.renew(JOB, A, a.generation, 1), store.complete(JOB, A, a.generation)):
@@ -335,19 +336,61 @@ def test_purge_completed_is_purge(store: MemoryStore, clock: ManualClock) -> Non
     assert store.get("released") is None
 
 
-def test_purge_keeps_a_record_whose_generation_is_not_below_the_clock(
-    store: MemoryStore, clock: ManualClock
-) -> None:
-    # The store clock stepped back: the generation was taken from a later
-    # instant than the one the purge runs at, so deleting the record would let
-    # a new first claim reuse a lower generation.
+def test_purge_waits_for_the_retention_only(store: MemoryStore, clock: ManualClock) -> None:
+    # A generation ahead of the purge's clock no longer keeps the record: a
+    # claim made again takes max(previous + 1, clock), and the record is gone
+    # like a record the store lost (docs/guarantees.md, I1).
     clock.now_ms += 3_600_000
     future = acquire(store, ttl=7200)
     clock.now_ms -= 3_600_000
     assert store.complete(JOB, A, future.generation) == Completed(JOB, future.generation)
-    clock.advance(120)
-    assert store.purge_completed(60) == 0
-    assert store.get(JOB) is not None
+    clock.advance(59)
+    assert store.purge(60) == 0
+    clock.advance(1)
+    assert store.purge(60) == 1
+    assert store.get(JOB) is None
+
+
+def test_claims_within_one_millisecond_count_up_by_one(store: MemoryStore) -> None:
+    first = acquire(store)
+    store.release(JOB, A, first.generation)
+    second = acquire(store, B)
+    store.release(JOB, B, second.generation)
+    third = acquire(store)
+    assert (second.generation, third.generation) == (first.generation + 1, first.generation + 2)
+    assert first.generation == first.store_now_ms
+
+
+def test_a_claim_takes_the_clock_when_it_passed_the_previous_generation(
+    store: MemoryStore, clock: ManualClock
+) -> None:
+    first = acquire(store)
+    store.release(JOB, A, first.generation)
+    clock.advance(2.5)
+    second = acquire(store, B)
+    assert second.generation == second.store_now_ms == first.generation + 2500
+
+
+def test_a_store_that_lost_its_last_claims_hands_out_higher_generations(
+    clock: ManualClock,
+) -> None:
+    # The memory store as a snapshot: what was claimed after it is lost,
+    # as after a restart from an older file.
+    store = MemoryStore(clock)
+    acquire(store)
+    snapshot = dict(store._data)
+    handed_out = []
+    for _ in range(5):
+        record = store.get(JOB)
+        assert record is not None
+        store.release(JOB, A, record.generation)
+        # all in one millisecond: these generations lead the clock
+        handed_out.append(acquire(store).generation)
+    store._data = snapshot
+    clock.advance(0.1)  # the restart takes time
+    store.release(JOB, A, snapshot[JOB].generation)
+    after = acquire(store, B)
+    assert after.generation > max(handed_out)
 
 
 def test_claim_after_purge_gets_a_higher_generation(store: MemoryStore, clock: ManualClock) -> None:

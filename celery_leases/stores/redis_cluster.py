@@ -1,0 +1,172 @@
+"""The Redis lease store on a Redis Cluster, through redis-py's ``RedisCluster``.
+
+URL: ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS), the
+spelling of the ``celery-redis-cluster`` result backend; any one node is
+enough, the client learns the others and the slot map from it.
+
+Every operation stays one key, one slot, one script: a record's key is
+``<prefix>{<job id>}``, so its slot is that of the job id. ``renew_many``
+sends its scripts through a cluster pipeline, which groups them by the node
+that serves each key's slot and sends one batch per node, one node after
+another; a ``MOVED`` or ``ASK`` reply (a resharding) sends that call again to
+the node that now serves the slot (it did not run where it was refused).
+``records()`` and ``purge()`` scan every primary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    AskError,
+    ConnectionError,
+    MovedError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TimeoutError,
+)
+from redis.retry import Retry
+
+from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.stores.redis import DEFAULT_SOCKET_TIMEOUT, SCAN_BATCH, RedisStore
+from celery_leases.stores.redis_replies import _escape_glob, _text, mask_url
+
+__all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
+
+#: URL schemes of a cluster, and the plain scheme each stands for
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+class RedisClusterStore(RedisStore):
+    """The Redis store on a cluster; see the module's description.
+
+    Args:
+        client: a ``redis.cluster.RedisCluster``.
+        prefix: put in front of every key; no ``{`` or ``}``.
+        check_config: as for :class:`RedisStore` (one node is asked).
+    """
+
+    def __init__(
+        self, client: RedisCluster, *, prefix: str = "leases:", check_config: bool = True
+    ) -> None:
+        if isinstance(prefix, str) and ("{" in prefix or "}" in prefix):
+            raise LeaseConfigurationError(
+                f"prefix {prefix!r} has a brace: on a cluster the hash tag must be the job id"
+            )
+        # RedisCluster answers the commands the store sends as redis.Redis does
+        super().__init__(client, prefix=prefix, check_config=check_config)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "leases:",
+        check_config: bool = True,
+        **client_options: Any,
+    ) -> RedisClusterStore:
+        """Open the store on the cluster that the node at ``url`` belongs to.
+
+        Unlike a single-node store, opening asks that node for the slot map.
+
+        Raises:
+            LeaseConfigurationError: the URL or an option is invalid.
+            StoreUnavailable: no node of the URL answered.
+        """
+        scheme, _, rest = url.partition("://")
+        plain = CLUSTER_SCHEMES.get(scheme.lower())
+        if plain is None:
+            raise LeaseConfigurationError(
+                f"{mask_url(url)!r} is not a cluster URL; use redis+cluster://host:port"
+            )
+        options: dict[str, Any] = {
+            "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
+            "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
+            # never send a script twice after a lost reply (as RedisStore)
+            "retry": Retry(NoBackoff(), 0),
+            **client_options,
+        }
+        try:
+            client = RedisCluster.from_url(f"{plain}://{rest}", **options)
+        except (ValueError, TypeError) as exc:
+            raise LeaseConfigurationError(
+                f"cannot open the Redis Cluster lease store {mask_url(url)!r}: {exc}"
+            ) from exc
+        except (RedisClusterException, RedisError) as exc:
+            raise StoreUnavailable(
+                f"the Redis Cluster at {mask_url(url)} did not answer ({exc}); check that its "
+                "nodes are running and reachable"
+            ) from exc
+        store = cls(client, prefix=prefix, check_config=False)
+        store.url = mask_url(url)
+        store._config_pending = check_config
+        if check_config:
+            store._check_config()
+        return store
+
+    @property
+    def _cluster(self) -> RedisCluster:
+        return self._client  # type: ignore[return-value]
+
+    def _scan_keys(self) -> Iterator[list[str]]:
+        """Batches of record keys under the prefix, primary after primary."""
+        pattern = _escape_glob(self.prefix) + "{*}"
+        seen: set[str] = set()
+        for node in self._cluster.get_primaries():  # type: ignore[no-untyped-call]
+            client = node.redis_connection
+            cursor = 0
+            while True:
+                next_cursor, keys = client.scan(cursor, match=pattern, count=SCAN_BATCH)
+                cursor = int(next_cursor)
+                batch = [k for k in (_text(key) for key in keys) if k not in seen]
+                seen.update(batch)
+                if batch:
+                    yield batch
+                if cursor == 0:
+                    break
+
+    def _send_batch(self, sha: str, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """One pipeline per node that serves the calls' keys, one node after another.
+
+        A call refused with ``MOVED`` or ``ASK`` (its slot moved since the
+        client last read the slot map) did not run; it is sent again alone
+        through the cluster client, which follows the redirection.
+        """
+        cluster = self._cluster
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        for index, (key, _) in enumerate(calls):
+            node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+            by_node.setdefault(node.name, []).append(index)
+            nodes[node.name] = node
+        replies: list[Any] = [None] * len(calls)
+        for name, indexes in by_node.items():
+            pipe = nodes[name].redis_connection.pipeline(transaction=False)
+            for index in indexes:
+                key, args = calls[index]
+                pipe.evalsha(sha, 1, key, *args)
+            try:
+                answers = pipe.execute(raise_on_error=False)
+            except (ConnectionError, TimeoutError):
+                # the node is gone or moved: read the slot map again for the
+                # next call, as the cluster client does after such an error
+                with contextlib.suppress(RedisError, RedisClusterException):
+                    cluster.nodes_manager.initialize()
+                raise
+            for index, reply in zip(indexes, answers, strict=True):
+                replies[index] = reply
+        for index, reply in enumerate(replies):
+            if isinstance(reply, (MovedError, AskError)) or (
+                isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK"))
+            ):
+                key, args = calls[index]
+                try:
+                    replies[index] = cluster.evalsha(sha, 1, key, *args)
+                except RedisError as exc:
+                    replies[index] = exc
+        return replies
