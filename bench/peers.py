@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.servers import PostgresServer, RedisServer
 
+    # SIGTERM unwinds like Ctrl-C, so the workers and servers are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     broker = RedisServer("--appendonly", "no")
     store = RedisServer("--appendfsync", "everysec")
