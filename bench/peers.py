@@ -297,7 +297,7 @@ def write_report(
                 spread = f"{min(ratios):.2f}{DASH}{max(ratios):.2f}" if ratios else ""
                 if errors:
                     spread += f" ({len(errors)} failed: {errors[0][:60]})"
-                cpu = _cell([r.cpu_ms_per_task for r in rows if r.cpu_ms_per_task], 3)
+                cpu = _cell([r.cpu_ms_per_task for r in rows if r.cpu_ms_per_task is not None], 3)
                 cmds = _cell([r.commands_per_task for r in rows if r.commands_per_task is not None])
                 trip = trips.get((kind, workload))
                 trip_cell = f"{trip:.2f}" if trip is not None else DASH
