@@ -1,0 +1,195 @@
+"""A lease store that records every operation in the history, and the
+broken store variants the checker must catch.
+
+:class:`RecordingStore` wraps the real store of a worker process. Each
+backend hook writes a ``call`` record before the request is sent and a
+``result`` (or ``error``) record after the answer came back, so the
+checker sees every claim, renew, complete and release with its interval
+on the host's monotonic clock. The variants below change what the store
+does, the way a buggy lock library would; they exist only in this harness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from celery_leases import (
+    Acquired,
+    Completed,
+    LeaseRecord,
+    LeaseState,
+    LeaseStore,
+    Renewed,
+    RenewRequest,
+)
+from celery_leases.errors import LeaseRecordUnreadable
+from celery_leases.stores.base import ClaimResult, CompleteResult, ReleaseResult, RenewResult
+from celery_leases.stores.checks import ttl_to_ms
+from chaos.history import History
+
+__all__ = ["STORE_VARIANTS", "RecordingStore"]
+
+#: variants that change the store's behaviour
+STORE_VARIANTS = frozenset(
+    {
+        "complete-without-generation",
+        "renew-without-owner",
+        "expiring-generation",
+        "worker-clock-claim",
+    }
+)
+
+R = TypeVar("R")
+
+
+def _describe(result: object) -> dict[str, Any]:
+    if not dataclasses.is_dataclass(result) or isinstance(result, type):
+        return {"type": type(result).__name__}
+    fields = dataclasses.asdict(result)
+    fields.pop("outcome", None)
+    return {"type": type(result).__name__, **{k: v for k, v in fields.items() if k != "job_id"}}
+
+
+class RecordingStore(LeaseStore):
+    """Delegates to ``inner``, recording each operation; ``variant`` breaks it on purpose.
+
+    Args:
+        inner: the real store.
+        history: where records go.
+        variant: one of :data:`STORE_VARIANTS`, or "" for the real behaviour.
+        counter: for ``expiring-generation``, a function that returns the
+            next number of an expiring per-job counter (job_id, ttl_ms).
+    """
+
+    def __init__(
+        self,
+        inner: LeaseStore,
+        history: History,
+        variant: str = "",
+        counter: Callable[[str, int], int] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.history = history
+        self.variant = variant
+        self._counter = counter
+        # expiring-generation: (job, token handed out) -> generation in the store
+        self._real: dict[tuple[str, int], int] = {}
+
+    def _op(
+        self, op: str, job_id: str, owner: str, generation: int | None, call: Callable[[], R]
+    ) -> R:
+        call_id = self.history.record("call", op=op, job=job_id, owner=owner, generation=generation)
+        try:
+            result = call()
+        except Exception as exc:
+            self.history.record("error", call=call_id, op=op, job=job_id, error=type(exc).__name__)
+            raise
+        self.history.record(
+            "result", call=call_id, op=op, job=job_id, owner=owner, generation=generation,
+            answer=_describe(result),
+        )  # fmt: skip
+        return result
+
+    # -- expiring-generation: the token handed out is an expiring counter ----
+
+    def _to_store(self, job_id: str, generation: int) -> int:
+        return self._real.get((job_id, generation), generation)
+
+    def _to_worker(self, job_id: str, result: R) -> R:
+        if self.variant != "expiring-generation":
+            return result
+        for (job, token), real in self._real.items():
+            if job == job_id and getattr(result, "generation", None) == real:
+                return dataclasses.replace(result, generation=token)  # type: ignore[type-var]
+        return result
+
+    # -- hooks ----------------------------------------------------------------
+
+    def _claim(
+        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+    ) -> ClaimResult:
+        def claim() -> ClaimResult:
+            if self.variant == "worker-clock-claim":
+                self._expire_by_worker_clock(job_id)
+            result = self.inner._claim(job_id, owner, ttl_ms, task_name, send_id)
+            if self.variant == "expiring-generation" and isinstance(result, Acquired):
+                assert self._counter is not None
+                token = self._counter(job_id, ttl_ms)
+                self._real[(job_id, token)] = result.generation
+                return dataclasses.replace(result, generation=token)
+            return result
+
+        return self._op("claim", job_id, owner, None, claim)
+
+    def _expire_by_worker_clock(self, job_id: str) -> None:
+        # the bug: "has the lease run out?" asked of this worker's wall clock
+        record = self.inner._get(job_id)
+        if (
+            record is not None
+            and record.state is LeaseState.HELD
+            and record.lease_until_ms <= time.time() * 1000
+        ):
+            self.inner._force_release(job_id, "worker-clock", "expired by the worker's clock")
+
+    def _renew(self, job_id: str, owner: str, generation: int, ttl_ms: int) -> RenewResult:
+        def renew() -> RenewResult:
+            if self.variant == "renew-without-owner":
+                record = self.inner._get(job_id)
+                if record is not None and record.state is LeaseState.HELD:
+                    result = self.inner._renew(job_id, record.owner, record.generation, ttl_ms)
+                    if isinstance(result, Renewed):
+                        return dataclasses.replace(result, generation=generation)
+                    return result
+            real = self._to_store(job_id, generation)
+            return self._to_worker(job_id, self.inner._renew(job_id, owner, real, ttl_ms))
+
+        return self._op("renew", job_id, owner, generation, renew)
+
+    def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        # one recorded renew per request, each in its own round trip
+        return [self._renew(r.job_id, r.owner, r.generation, ttl_to_ms(r.ttl)) for r in requests]
+
+    def _complete(
+        self, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
+        def complete() -> CompleteResult:
+            if self.variant == "complete-without-generation":
+                record = self.inner._get(job_id)
+                if record is not None and record.state is LeaseState.HELD:
+                    result = self.inner._complete(job_id, record.owner, record.generation, outcome)
+                    if isinstance(result, Completed):
+                        return Completed(job_id, generation)
+                    return result
+            real = self._to_store(job_id, generation)
+            return self._to_worker(job_id, self.inner._complete(job_id, owner, real, outcome))
+
+        return self._op("complete", job_id, owner, generation, complete)
+
+    def _release(self, job_id: str, owner: str, generation: int) -> ReleaseResult:
+        real = self._to_store(job_id, generation)
+        return self._op(
+            "release", job_id, owner, generation,
+            lambda: self._to_worker(job_id, self.inner._release(job_id, owner, real)),
+        )  # fmt: skip
+
+    def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
+        return self.inner._force_release(job_id, by, reason)
+
+    def _get(self, job_id: str) -> LeaseRecord | None:
+        return self.inner._get(job_id)
+
+    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
+        return self.inner._records(state)
+
+    def _purge(self, older_than_ms: int) -> int:
+        return self.inner._purge(older_than_ms)
+
+    def _now_ms(self) -> int:
+        return self.inner._now_ms()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,74 @@
+"""Real chaos runs: workers, a nemesis and the checker (``python -m chaos``).
+
+The short CI profile runs in the test command: three real workers (two
+prefork, one threads pool; two with their wall clock 300 s off), 24 leased
+jobs writing through a fenced SQL row and a fenced Redis stream, and a
+seeded nemesis that pauses pool processes and whole workers past their
+lease, kills them, sends duplicates, partitions the workers from the store
+and kills the store; the checker must find no violation.
+
+The broken variants each need a run of their own (about 30 s each), so
+they run when ``LEASES_CHAOS_VARIANTS=1`` is set; the checker's detection
+of each one is also shown on hand-made histories in ``test_checker.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from chaos.runner import PROFILES, run
+from tests.conftest import IN_CI
+from tests.servers import ServerMissing, find_postgres_bin
+
+SEED = int(os.environ.get("LEASES_CHAOS_SEED", "1"))
+
+
+@pytest.fixture(autouse=True)
+def _servers_present() -> None:
+    try:
+        find_postgres_bin()
+        if shutil.which("redis-server") is None:
+            raise ServerMissing("redis-server is not installed")
+    except ServerMissing as exc:
+        if IN_CI:
+            pytest.fail(f"{exc} (CI=true: a missing server fails the run)")
+        pytest.skip(str(exc))
+
+
+@pytest.mark.timeout(360)
+def test_the_ci_profile_under_faults_has_no_violation(tmp_path: Path) -> None:
+    report = run(PROFILES["ci"], store_kind="redis", seed=SEED, out=tmp_path, log=print)
+    print(report.format())
+    assert report.ok, report.format()
+    counts = report.counts
+    # the faults happened and the workers really raced
+    for fault in ("pause-child", "pause-worker", "kill-child", "partition", "store-restart"):
+        assert counts[fault] >= 1, f"no {fault} injected:\n{report.format()}"
+    assert counts["duplicate"] >= 1
+    assert counts["attempts"] > counts["jobs"], "no job was claimed twice"
+    assert counts["deliveries found HeldElsewhere"] >= 1
+
+
+VARIANTS = {
+    "complete-without-generation": "I3",
+    "expiring-generation": "I1",
+    "unfenced-target": "I5",
+    "renew-without-owner": "I4",
+    "worker-clock-claim": "I2",
+    "ignore-deadline": "D",
+}
+
+
+@pytest.mark.skipif(
+    os.environ.get("LEASES_CHAOS_VARIANTS") != "1",
+    reason="a run per broken variant (about 3 min in all): set LEASES_CHAOS_VARIANTS=1",
+)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("variant", "invariant"), sorted(VARIANTS.items()))
+def test_the_checker_catches_a_broken_variant(tmp_path: Path, variant: str, invariant: str) -> None:
+    report = run(PROFILES["variant"], store_kind="redis", seed=SEED, out=tmp_path, variant=variant)
+    assert any(v.startswith(f"{invariant} ") for v in report.violations), report.format()
