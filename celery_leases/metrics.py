@@ -34,8 +34,12 @@ logger = logging.getLogger("celery_leases")
 
 _lock = threading.Lock()
 _metrics: dict[str, Any] = {}
-#: leases this process holds, by ``id(lease)``, for the ``held`` gauge
-_held: dict[int, Any] = {}
+#: leases this process holds, by ``id(lease)``, with their task name, for
+#: the ``held`` gauge; the lease is kept so its id is not reused meanwhile
+_held: dict[int, tuple[Any, str]] = {}
+#: how many of them each task holds: a claim or a finish moves one count,
+#: without walking every held lease (a process may hold thousands)
+_held_counts: dict[str, int] = {}
 _owned_dir: str | None = None
 
 #: deferral reasons that mean the claim itself did not get the lease
@@ -106,11 +110,25 @@ def _task(sender: Any, lease: Any) -> str:
     return str(getattr(sender, "name", None) or getattr(lease, "task_name", "") or "")
 
 
-def _set_held(task: str) -> None:
+def _hold(lease: Any, task: str) -> int | None:
+    """Count ``lease`` as held by ``task``; the new count, None if it was already."""
     with _lock:
-        leases = list(_held.values())
-    count = sum(1 for lease in leases if _task(None, lease) == task and not lease.lost)
-    _get()["held"].labels(task).set(count)
+        if id(lease) in _held:
+            return None
+        _held[id(lease)] = (lease, task)
+        count = _held_counts[task] = _held_counts.get(task, 0) + 1
+        return count
+
+
+def _let_go(lease: Any) -> tuple[str, int] | None:
+    """Stop counting ``lease``; its task and that task's new count, None if not held."""
+    with _lock:
+        entry = _held.pop(id(lease), None)
+        if entry is None:
+            return None
+        task = entry[1]
+        count = _held_counts[task] = _held_counts[task] - 1
+        return task, count
 
 
 def _on_claimed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
@@ -125,17 +143,18 @@ def _on_claimed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
     if takeover:
         metrics["takeovers"].labels(task).inc()
     if lease is not None:
-        with _lock:
-            _held[id(lease)] = lease
-        _set_held(task)
+        count = _hold(lease, task)
+        if count is not None:
+            metrics["held"].labels(task).set(count)
 
 
 def _on_finished(sender: Any = None, lease: Any = None, **_: Any) -> None:
     if lease is None:
         return
-    with _lock:
-        _held.pop(id(lease), None)
-    _set_held(_task(sender, lease))
+    released = _let_go(lease)
+    if released is not None:
+        task, count = released
+        _get()["held"].labels(task).set(count)
 
 
 def _on_renewed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:

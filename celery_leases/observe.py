@@ -83,11 +83,16 @@ def _record(
     task_id: str | None = None,
     **extra: Any,
 ) -> None:
+    log = logger.isEnabledFor(level)
+    # nobody reads the fields: building them (and the lease's datetime) is
+    # a measurable part of a trivial task's run
+    if not log and not _events_enabled(sender):
+        return
     found_task_id, hostname = _task_ids(sender, lease)
     task_id = task_id or found_task_id
     fields: dict[str, Any] = lease_fields(lease) if lease is not None else {"job_id": job_id}
     fields.update({k: v for k, v in extra.items() if v is not None})
-    if logger.isEnabledFor(level):
+    if log:
         generation = fields.get("generation")
         owner = fields.get("owner")
         details = "".join(
@@ -105,6 +110,13 @@ def _record(
             },
         )  # fmt: skip
     events.emit(sender.app, event_type, task_id=task_id, hostname=hostname, **fields)
+
+
+def _events_enabled(sender: Any) -> bool:
+    try:
+        return events.task_events_enabled(sender.app)
+    except Exception:
+        return True  # emit() tries, and logs what went wrong
 
 
 def _safe(receiver: Callable[..., None]) -> Callable[..., None]:

@@ -91,6 +91,37 @@ def test_renews_all_leases_of_the_process_in_one_batch(heartbeat: Heartbeat) -> 
     assert lost == []
 
 
+def test_a_lease_due_within_half_an_interval_rides_in_the_same_call(
+    heartbeat: Heartbeat,
+) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    first, later = claim(store, "job-1", lost), claim(store, "job-2", lost)
+    # as if claimed a third of an interval after the first
+    later.next_renew_at = first.next_renew_at + TIMING.renew_interval / 3
+    heartbeat.add(first)
+    heartbeat.add(later)
+    assert wait_for(lambda: len(store.batches) >= 2)
+    assert store.batches[:2] == [2, 2]  # one round trip each time, not one per lease
+    assert lost == []
+
+
+def test_a_lease_due_more_than_half_an_interval_later_waits_for_its_own_turn(
+    heartbeat: Heartbeat,
+) -> None:
+    store = RecordingStore()
+    lost: list[Lease] = []
+    first, fresh = claim(store, "job-1", lost), claim(store, "job-2", lost)
+    # as if claimed just before the first one's renewal: a short task that
+    # ends within half an interval is never renewed
+    fresh.next_renew_at = first.next_renew_at + TIMING.renew_interval * 0.9
+    heartbeat.add(first)
+    heartbeat.add(fresh)
+    assert wait_for(lambda: len(store.batches) >= 1)
+    assert store.batches[0] == 1
+    assert lost == []
+
+
 def test_a_refused_renewal_makes_the_lease_lost(heartbeat: Heartbeat) -> None:
     clock = ManualClock()
     store = RecordingStore(clock)

@@ -1,0 +1,54 @@
+"""The peers benchmark still runs: its smoke profile on real workers writes the table and the plot.
+
+No timing is asserted: only that every kind ran, that the table reads, and
+that the store round trips counted are the ones each kind makes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.redis
+
+
+def _row(table: str, kind: str) -> list[str]:
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 8 and cells[1] == kind:
+            return cells
+    raise AssertionError(f"no row for {kind} in:\n{table}")
+
+
+def test_smoke_profile_writes_table_and_plot(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "peers.py"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+    table = (tmp_path / "peers.md").read_text()
+    assert "python bench/peers.py --quick" in table
+    assert re.search(r"load average \d+\.\d", table)
+    for kind in ("plain", "leases-redis", "floor"):
+        workload, _, pool, ratio, _, cpu, _, _ = _row(table, kind)
+        assert (workload, pool) == ("trivial", "solo")
+        assert float(ratio) > 0
+        assert float(cpu) >= 0
+    assert float(_row(table, "plain")[3]) == 1.0
+    # claim and complete: two round trips per leased task, and per floor task
+    for kind in ("leases-redis", "floor"):
+        assert 2.0 <= float(_row(table, kind)[6]) < 3.0
+    assert float(_row(table, "plain")[6]) < 1.0
+
+    assert (tmp_path / "peers.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
