@@ -62,6 +62,12 @@ def open_store(url: str, **options: Any) -> LeaseStore:
             f"lease store {scheme}:// does not take the options {sorted(options)}: {exc}; "
             "check leases_store_options"
         ) from exc
+    except (UnicodeError, ValueError) as exc:
+        # a malformed host or port the driver's URL parser rejects
+        raise LeaseConfigurationError(
+            f"the lease store URL {hide_password(url)!r} cannot be used: "
+            f"{hide_password(str(exc))}; check its host and port"
+        ) from None
 
 
 def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:

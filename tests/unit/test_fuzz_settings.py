@@ -94,13 +94,6 @@ def test_any_url_opens_a_store_or_is_a_configuration_error(scheme: str, rest: st
         assert "s3cret-pw" not in str(error), f"the password leaked: {error}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(UnicodeError, ValueError),
-    reason="open_store lets a malformed host out as the driver's UnicodeError "
-    "(a non-ASCII host: the idna codec) or ValueError (an unclosed IPv6 bracket) "
-    "instead of a LeaseConfigurationError",
-)
 @pytest.mark.parametrize(
     "url",
     [
