@@ -1,11 +1,13 @@
-"""Claiming a lease outside a task, for tests of the lease and the heartbeat."""
+"""Helpers for tests that use the store directly: claiming a lease outside a task,
+and waiting for a store that fails over."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-from celery_leases import LeaseTiming
+from celery_leases import LeaseTiming, StoreUnavailable
 from celery_leases.lease import Lease, make_owner
 from celery_leases.stores.base import Acquired, LeaseStore
 
@@ -38,3 +40,22 @@ def claimed_lease(
         on_lost=on_lost,
         clock=clock,
     )
+
+
+T = TypeVar("T")
+
+
+def until_reachable(call: Callable[[], T], timeout: float = 30.0) -> T:
+    """``call()`` once the store answers again (after a failover, say).
+
+    Raises:
+        StoreUnavailable: the store still did not answer after ``timeout`` s.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except StoreUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

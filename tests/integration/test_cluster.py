@@ -12,8 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -31,13 +30,12 @@ from celery_leases import (
     RenewRequest,
     open_store,
 )
-from celery_leases.errors import StaleFencingToken, StoreUnavailable
+from celery_leases.errors import StaleFencingToken
 from celery_leases.fencing import Token
 from celery_leases.fencing.redis import RedisFence
 from tests.conftest import serve
+from tests.leases import until_reachable
 from tests.servers import RedisCluster, RedisServer
-
-T = TypeVar("T")
 
 
 def _slot(job_id: str) -> int:
@@ -68,17 +66,6 @@ def _first_slots(cluster: RedisCluster, port: int) -> tuple[int, int]:
             low, _, high = fields[8].partition("-")
             return int(low), int(high or low)
     raise AssertionError(f"no slots on {port}")
-
-
-def _until_reachable(call: Callable[[], T], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except StoreUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 @pytest.fixture
@@ -190,7 +177,7 @@ def test_a_master_killed_after_its_replica_missed_claims_hands_out_no_generation
     handed_out: dict[str, list[int]] = {}
 
     def claim(job: str, owner: str) -> Acquired:
-        claimed = _until_reachable(lambda: store.claim(job, owner, 60))
+        claimed = until_reachable(lambda: store.claim(job, owner, 60))
         assert isinstance(claimed, Acquired), claimed
         fence.set(f"effect:{job}", owner, Token(job, claimed.generation))
         handed_out.setdefault(job, []).append(claimed.generation)
@@ -214,7 +201,7 @@ def test_a_master_killed_after_its_replica_missed_claims_hands_out_no_generation
         replica.proc.send_signal(signal.SIGCONT)
         own_cluster.wait_ok()
 
-        renewed = _until_reachable(
+        renewed = until_reachable(
             lambda: store.renew(steady_job, "worker-a", steady.generation, 60)
         )
         assert isinstance(renewed, Renewed), renewed

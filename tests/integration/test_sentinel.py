@@ -12,9 +12,7 @@ the failover is above every one handed out before it.
 from __future__ import annotations
 
 import signal
-import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -29,16 +27,15 @@ from celery_leases import (
     Renewed,
     open_store,
 )
-from celery_leases.errors import LeaseConfigurationError, StaleFencingToken, StoreUnavailable
+from celery_leases.errors import LeaseConfigurationError, StaleFencingToken
 from celery_leases.fencing import Token
 from celery_leases.fencing.redis import RedisFence
 from celery_leases.stores.redis_sentinel import parse_sentinel_url
 from tests.conftest import serve
+from tests.leases import until_reachable
 from tests.servers import RedisServer, SentinelGroup
 
 MASTER = SentinelGroup.MASTER_NAME
-
-T = TypeVar("T")
 
 
 @pytest.fixture
@@ -103,18 +100,6 @@ def test_claims_go_to_the_master_the_sentinels_name(
         master.close()
 
 
-def _until_reachable(call: Callable[[], T], timeout: float = 30.0) -> T:
-    """``call()`` once the store answers again (the client finds the new master)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except StoreUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 def test_failover_to_a_lagging_replica_hands_out_no_generation_twice(
     group: SentinelGroup, store: LeaseStore, redis_server: RedisServer, unique: str
 ) -> None:
@@ -155,7 +140,7 @@ def test_failover_to_a_lagging_replica_hands_out_no_generation_twice(
 
         # held leases either continue or are reported lost; none is doubled
         for job, held in steady.items():
-            renewed = _until_reachable(
+            renewed = until_reachable(
                 lambda held=held: store.renew(held.job_id, "worker-a", held.generation, 60)  # type: ignore[misc]
             )
             assert isinstance(renewed, Renewed), (job, renewed)
