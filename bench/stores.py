@@ -194,8 +194,15 @@ def _expect(result: object, kind: type, action: str, job_id: str) -> None:
         raise BenchError(f"{action} of {job_id!r} returned {result!r}")
 
 
-def lease_cases(supply: LeaseSupply, batch: list[Acquired]) -> dict[str, Case]:
-    """claim, renew, complete, re-claim and the batched-renew pair of cases."""
+def lease_cases(
+    supply: LeaseSupply, batch: list[Acquired], batch_calls: int = 1
+) -> dict[str, Case]:
+    """claim, renew, complete, re-claim and the batched-renew pair of cases.
+
+    The batched case renews the batch ``batch_calls`` times in a row (one
+    call is over in a few milliseconds, shorter than the machine's noise);
+    its single-renew baseline renews the batch once, one lease at a time.
+    """
     store, owner, ttl = supply.store, supply.owner, supply.ttl
 
     def claim(n: int) -> float:
@@ -263,12 +270,13 @@ def lease_cases(supply: LeaseSupply, batch: list[Acquired]) -> dict[str, Case]:
 
     def renew_many(_n: int) -> float:
         def loop() -> None:
-            results = store.renew_many(requests)
-            refused = [r for r in results if not isinstance(r, Renewed)]
-            if len(results) != len(requests) or refused:
-                raise BenchError(f"renew_many refused {len(refused)} leases: {refused[:3]!r}")
+            for _ in range(batch_calls):
+                results = store.renew_many(requests)
+                refused = [r for r in results if not isinstance(r, Renewed)]
+                if len(results) != len(requests) or refused:
+                    raise BenchError(f"renew_many refused {len(refused)} leases: {refused[:3]!r}")
 
-        return timed(loop)
+        return timed(loop) / batch_calls  # the time of one call
 
     return {
         "claim": claim,
@@ -471,11 +479,13 @@ def build_bench(kind: str, opened: Opened, args: argparse.Namespace) -> StoreBen
     owner = f"bench-{platform.node()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     supply = LeaseSupply(store, owner, args.ttl)
     batch = [supply.claim(supply.fresh_job()) for _ in range(args.batch)]
-    cases = lease_cases(supply, batch)
+    cases = lease_cases(supply, batch, args.batch_calls)
     bench = StoreBench(kind, cases, fixed_ops={"renew x batch": args.batch})
     bench.fixed_ops["renew_many(batch)"] = args.batch
-    # an in-process store has no round trip to save, so the batch target is informative
-    bench.targets.append(batch_target(args.batch, None if kind == "memory" else 0.1))
+    # an in-process store has no round trip to save, so the batch target is
+    # informative; Redis renews a batch in one script call per node
+    limit = {"memory": None, "redis": 0.05}.get(kind, 0.1)
+    bench.targets.append(batch_target(args.batch, limit))
     if kind == "redis":
         extra, bench.note = redis_cases(store, opened.url, supply)
         cases.update(extra)
@@ -814,6 +824,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--batch", type=int, default=1000, help="leases per renew_many (default: 1000)"
+    )
+    parser.add_argument(
+        "--batch-calls",
+        type=int,
+        default=5,
+        help="renew_many calls per round, timed together (default: 5)",
     )
     parser.add_argument(
         "--ttl", type=float, default=60.0, help="lease time in seconds (default: 60)"

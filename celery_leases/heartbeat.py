@@ -9,7 +9,9 @@ thread (:mod:`celery_leases.notify`).
 
 A renewal is one ``renew_many`` round trip per store, sent from a
 short-lived *renewal thread*; the new deadlines count from the monotonic
-time read before the batch was sent. When one lease of a store is due, every
+time read before the batch was sent. The thread wakes up early by a random
+part of ``jitter`` of an interval (so workers do not renew in lockstep), and
+a lease due within that much is due. When one lease of a store is due, every
 lease of that store due within half its renew interval goes in the same call
 (renewed a little early), so leases claimed at scattered times settle on one
 call per interval instead of one each. A call that hangs (a black-holed
@@ -154,9 +156,13 @@ class Heartbeat:
                 self.remove(lease)
         held = self.held()
         now = self._clock()
-        due_stores = {id(lease.store) for lease in held if lease.next_renew_at <= now}
-        if not due_stores:
+        # The thread wakes up early by up to `jitter` of an interval (see
+        # _next_wait): a lease due within that much is due now.
+        jitter = self._jitter
+        due = {id(x) for x in held if x.next_renew_at <= now + jitter * x.timing.renew_interval}
+        if not due:
             return self._next_wait(held)
+        due_stores = {id(x.store) for x in held if id(x) in due}
         with self._lock:
             renewing = set(self._renewing)
         due_by_store: dict[int, tuple[LeaseStore, list[Lease]]] = {}
@@ -169,7 +175,7 @@ class Heartbeat:
             # own: claims spread over time converge on one call per interval.
             # A lease whose renewal is in flight waits for it, as before.
             early = lease.next_renew_at <= now + lease.timing.renew_interval / 2
-            if lease.next_renew_at <= now or (early and id(lease) not in renewing):
+            if id(lease) in due or (early and id(lease) not in renewing):
                 due_by_store.setdefault(key, (lease.store, []))[1].append(lease)
         for store, leases in due_by_store.values():
             self._start_renewal(store, leases)

@@ -178,17 +178,18 @@ class LeaseStore(abc.ABC):
         A job whose record cannot be read gets a :class:`Refusal` with reason
         ``UNREADABLE``; the others are answered as usual.
         """
-        checked = [
-            RenewRequest(
-                check_job_id(r.job_id),
-                check_owner(r.owner),
-                check_generation(r.generation),
-                r.ttl,
-            )
-            for r in requests
-        ]
+        checked = list(requests)
+        # a worker's leases share one owner and mostly one ttl: check each once
+        owners: set[str] = set()
+        ttls: set[float] = set()
         for r in checked:
-            ttl_to_ms(r.ttl)
+            check_job_id(r.job_id)
+            check_generation(r.generation)
+            if type(r.owner) is not str or r.owner not in owners:
+                owners.add(check_owner(r.owner))
+            if type(r.ttl) not in (int, float) or r.ttl not in ttls:
+                ttl_to_ms(r.ttl)
+                ttls.add(r.ttl)
         if not checked:
             return []
         return self._renew_many(checked)

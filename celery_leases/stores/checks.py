@@ -76,6 +76,8 @@ def check_text(
         raise LeaseConfigurationError(
             f"{name} {value!r} contains a NUL character, which a lease store cannot keep"
         )
+    if value.isascii():
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -22,7 +22,14 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterCrossSlotError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -75,6 +82,25 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 #: Keys fetched per SCAN step and per pipelined HGETALL / purge batch.
 SCAN_BATCH = 500
 
+#: Leases per call of the renew-many script. One call holds the server for
+#: its whole run (about 3 µs per lease); the calls of one ``renew_many``
+#: share a pipeline, so they still take one round trip.
+RENEW_CHUNK = 500
+
+#: Error replies of a renew-many call that reached a Cluster node not
+#: serving one of its keys' slots (a resharding, or a slot map the client has
+#: not caught up with): the call stopped at that key or did not start.
+_REDIRECTS = (AskError, TryAgainError, ClusterCrossSlotError)  # MovedError is an AskError
+_NON_LOCAL = "non local key"
+
+
+def _redirected(error: ResponseError) -> bool:
+    return isinstance(error, _REDIRECTS) or _NON_LOCAL in str(error)
+
+
+#: A batched call: the keys it names and the rest of its arguments.
+_Call = tuple[Sequence[str], Sequence[Any]]
+
 
 class RedisConfigWarning(LeaseStoreWarning):
     """The Redis server is configured in a way that can lose lease records."""
@@ -123,6 +149,7 @@ class RedisStore(LeaseStore):
         self._sentinel: Sentinel | None = None
         self._claim_script = _Script(scripts.CLAIM_SCRIPT)
         self._renew_script = _Script(scripts.RENEW_SCRIPT)
+        self._renew_many_script = _Script(scripts.RENEW_MANY_SCRIPT)
         self._complete_script = _Script(scripts.COMPLETE_SCRIPT)
         self._release_script = _Script(scripts.RELEASE_SCRIPT)
         self._force_release_script = _Script(scripts.FORCE_RELEASE_SCRIPT)
@@ -291,32 +318,41 @@ class RedisStore(LeaseStore):
             script.sha = _text(self._client.script_load(script.source))
             return self._client.evalsha(script.sha, 1, key, *args)
 
-    def _run_batch(self, script: _Script, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        """Run ``script`` once per (key, args) in one pipelined round trip.
+    def _run_batch(
+        self, script: _Script, calls: Sequence[_Call], *, follow: bool = True
+    ) -> list[Any]:
+        """Run ``script`` once per (keys, args) in one pipelined round trip.
 
         Replies that are NOSCRIPT (the script cache was flushed) are sent
-        again after loading the script; such a call did not run.
+        again after loading the script; such a call did not run. Other error
+        replies are returned as they are, for the caller to judge. ``follow``
+        lets a Cluster store send a redirected call again where it is sent
+        (for calls on one record only).
 
         Raises:
-            RedisError: the pipeline failed, or a call answered with an error.
+            RedisError: the pipeline failed.
         """
-        replies = self._send_batch(script.sha, calls)
+        replies = self._send_batch(script.sha, calls, follow)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             script.sha = _text(self._client.script_load(script.source))
-            again = self._send_batch(script.sha, [calls[i] for i in missing])
+            again = self._send_batch(script.sha, [calls[i] for i in missing], follow)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
         return replies
 
-    def _send_batch(self, sha: str, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+    def _send_batch(self, sha: str, calls: Sequence[_Call], follow: bool) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
-        for key, args in calls:
-            pipe.evalsha(sha, 1, key, *args)
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
         return list(pipe.execute(raise_on_error=False))
+
+    def _renew_chunks(self, requests: Sequence[RenewRequest]) -> list[list[int]]:
+        """The requests' indexes, grouped into one renew-many call each."""
+        return [
+            list(range(start, min(start + RENEW_CHUNK, len(requests))))
+            for start in range(0, len(requests), RENEW_CHUNK)
+        ]
 
     def _fenced_reply(
         self, reply: Any, job_id: str, owner: str, generation: int
@@ -384,17 +420,73 @@ class RedisStore(LeaseStore):
             return self._renew_result(reply, job_id, owner, generation)
 
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
-        calls = [(self.key(r.job_id), (r.owner, r.generation, ttl_to_ms(r.ttl))) for r in requests]
-        with self._errors(f"renew_many of {len(calls)} leases"):
-            replies = self._run_batch(self._renew_script, calls)
-            results: list[RenewResult] = []
-            for r, reply in zip(requests, replies, strict=True):
-                try:
-                    results.append(self._renew_result(reply, r.job_id, r.owner, r.generation))
-                except LeaseRecordUnreadable:
-                    # one bad record must not stop the heartbeat of every other lease
-                    results.append(unreadable_refusal(r.job_id, r.owner, r.generation))
-            return results
+        """One renew-many script call per chunk of leases, all in one pipeline.
+
+        A call that failed because a Cluster slot moved may have renewed the
+        leases before the moved one: renewing them again moves their
+        ``lease_until`` on once more, which the fence allows. So its whole
+        chunk is renewed again lease by lease, each call following its own
+        redirection.
+        """
+        with self._errors(f"renew_many of {len(requests)} leases"):
+            chunks = self._renew_chunks(requests)
+            calls: list[_Call] = []
+            ttl_ms: dict[float, int] = {}  # the leases of one worker mostly share a ttl
+            ttls = [
+                ttl_ms.get(r.ttl) or ttl_ms.setdefault(r.ttl, ttl_to_ms(r.ttl)) for r in requests
+            ]
+            for chunk in chunks:
+                first = self.key(requests[chunk[0]].job_id)
+                leases = "".join(
+                    f"{self.key(r.job_id)}\0{r.owner}\0{r.generation}\0{ttls[i]}\0"
+                    for i, r in ((i, requests[i]) for i in chunk)
+                )
+                calls.append(((first,), (leases,)))
+            replies = self._run_batch(self._renew_many_script, calls, follow=False)
+            results: list[RenewResult | None] = [None] * len(requests)
+            for chunk, reply in zip(chunks, replies, strict=True):
+                if isinstance(reply, ResponseError) and _redirected(reply):
+                    self._renew_each(requests, chunk, results)
+                    continue
+                if isinstance(reply, Exception):
+                    raise reply
+                now = int(reply[0])
+                for n in range(1, len(reply), 2):
+                    index = chunk[int(reply[n]) - 1]
+                    results[index] = self._batch_renew_result(reply[n + 1], requests[index])
+                for index in chunk:
+                    if results[index] is None:
+                        r = requests[index]
+                        results[index] = Renewed(r.job_id, r.generation, now + ttls[index], now)
+            done = [result for result in results if result is not None]
+            assert len(done) == len(requests), "a lease was left without a reply"
+            return done
+
+    def _renew_each(
+        self,
+        requests: Sequence[RenewRequest],
+        chunk: Sequence[int],
+        results: list[RenewResult | None],
+    ) -> None:
+        """Renew the leases at ``chunk`` with one single-lease call each, pipelined."""
+        calls: list[_Call] = [
+            (
+                (self.key(requests[i].job_id),),
+                (requests[i].owner, requests[i].generation, ttl_to_ms(requests[i].ttl)),
+            )
+            for i in chunk
+        ]
+        for index, reply in zip(chunk, self._run_batch(self._renew_script, calls), strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            results[index] = self._batch_renew_result(reply, requests[index])
+
+    def _batch_renew_result(self, reply: Any, r: RenewRequest) -> RenewResult:
+        try:
+            return self._renew_result(reply, r.job_id, r.owner, r.generation)
+        except LeaseRecordUnreadable:
+            # one bad record must not stop the heartbeat of every other lease
+            return unreadable_refusal(r.job_id, r.owner, r.generation)
 
     def _complete(
         self, job_id: str, owner: str, generation: int, outcome: bytes | None
@@ -482,8 +574,11 @@ class RedisStore(LeaseStore):
         with self._errors("purge"):
             deleted = 0
             for keys in self._scan_keys():
-                calls = [(key, (older_than_ms,)) for key in keys]
-                deleted += sum(int(r) for r in self._run_batch(self._purge_one_script, calls))
+                calls: list[_Call] = [((key,), (older_than_ms,)) for key in keys]
+                for reply in self._run_batch(self._purge_one_script, calls):
+                    if isinstance(reply, Exception):
+                        raise reply
+                    deleted += int(reply)
             return deleted
 
     def _now_ms(self) -> int:

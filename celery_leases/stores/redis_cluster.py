@@ -4,13 +4,15 @@ URL: ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS), the
 spelling of the ``celery-redis-cluster`` result backend; any one node is
 enough, the client learns the others and the slot map from it.
 
-Every operation stays one key, one slot, one script: a record's key is
-``<prefix>{<job id>}``, so its slot is that of the job id. ``renew_many``
-sends its scripts through a cluster pipeline, which groups them by the node
-that serves each key's slot and sends one batch per node, one node after
-another; a ``MOVED`` or ``ASK`` reply (a resharding) sends that call again to
-the node that now serves the slot (it did not run where it was refused).
-``records()`` and ``purge()`` scan every primary.
+Every operation but one stays one key, one slot, one script: a record's
+key is ``<prefix>{<job id>}``, so its slot is that of the job id.
+``renew_many`` groups its leases by the node that serves each key's slot and
+sends each node its leases in renew-many script calls (a script flag lets
+one call name keys of several slots on one node), one pipeline per node, one
+node after another. A call refused with ``MOVED``, ``ASK``, ``TRYAGAIN`` or
+``CROSSSLOT`` (a resharding) did not run; its leases are renewed one call
+each, and each such call follows the redirection to the node that now serves
+the slot. ``records()`` and ``purge()`` scan every primary.
 """
 
 from __future__ import annotations
@@ -33,8 +35,14 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
-from celery_leases.stores.redis import DEFAULT_SOCKET_TIMEOUT, SCAN_BATCH, RedisStore
+from celery_leases.stores.redis import (
+    DEFAULT_SOCKET_TIMEOUT,
+    RENEW_CHUNK,
+    SCAN_BATCH,
+    RedisStore,
+)
 from celery_leases.stores.redis_replies import _escape_glob, _text, mask_url
+from celery_leases.stores.results import RenewRequest
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
 
@@ -130,26 +138,43 @@ class RedisClusterStore(RedisStore):
                 if cursor == 0:
                     break
 
-    def _send_batch(self, sha: str, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+    def _renew_chunks(self, requests: Sequence[RenewRequest]) -> list[list[int]]:
+        """The requests' indexes by the node serving their keys, in chunks."""
+        by_node: dict[str, list[int]] = {}
+        for index, r in enumerate(requests):
+            node = self._cluster.get_node_from_key(self.key(r.job_id))  # type: ignore[no-untyped-call]
+            by_node.setdefault(node.name, []).append(index)
+        return [
+            indexes[start : start + RENEW_CHUNK]
+            for indexes in by_node.values()
+            for start in range(0, len(indexes), RENEW_CHUNK)
+        ]
+
+    def _send_batch(
+        self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], follow: bool
+    ) -> list[Any]:
         """One pipeline per node that serves the calls' keys, one node after another.
 
-        A call refused with ``MOVED`` or ``ASK`` (its slot moved since the
-        client last read the slot map) did not run; it is sent again alone
-        through the cluster client, which follows the redirection.
+        A call names keys of one node only (its first key says which). With
+        ``follow``, a call refused with ``MOVED`` or ``ASK`` (its slot moved
+        since the client last read the slot map) did not run; it is sent
+        again alone through the cluster client, which follows the
+        redirection. Without it (a renew-many call, whose other records may
+        not have moved), the refusal is left to the caller.
         """
         cluster = self._cluster
         by_node: dict[str, list[int]] = {}
         nodes: dict[str, Any] = {}
-        for index, (key, _) in enumerate(calls):
-            node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        for index, (keys, _) in enumerate(calls):
+            node = cluster.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
             by_node.setdefault(node.name, []).append(index)
             nodes[node.name] = node
         replies: list[Any] = [None] * len(calls)
         for name, indexes in by_node.items():
             pipe = nodes[name].redis_connection.pipeline(transaction=False)
             for index in indexes:
-                key, args = calls[index]
-                pipe.evalsha(sha, 1, key, *args)
+                keys, args = calls[index]
+                pipe.evalsha(sha, len(keys), *keys, *args)
             try:
                 answers = pipe.execute(raise_on_error=False)
             except (ConnectionError, TimeoutError):
@@ -161,12 +186,13 @@ class RedisClusterStore(RedisStore):
             for index, reply in zip(indexes, answers, strict=True):
                 replies[index] = reply
         for index, reply in enumerate(replies):
-            if isinstance(reply, (MovedError, AskError)) or (
-                isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK"))
+            keys, args = calls[index]
+            if follow and (
+                isinstance(reply, (MovedError, AskError))
+                or (isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")))
             ):
-                key, args = calls[index]
                 try:
-                    replies[index] = cluster.evalsha(sha, 1, key, *args)
+                    replies[index] = cluster.evalsha(sha, 1, keys[0], *args)
                 except RedisError as exc:
                     replies[index] = exc
         return replies

@@ -23,6 +23,7 @@ __all__ = [
     "FORCE_RELEASE_SCRIPT",
     "PURGE_ONE_SCRIPT",
     "RELEASE_SCRIPT",
+    "RENEW_MANY_SCRIPT",
     "RENEW_SCRIPT",
 ]
 
@@ -40,24 +41,42 @@ end
 local function whole(text)
   return text and string.match(text, '^%d+$') ~= nil
 end
--- The record at key: nil when there is none, false when it cannot be read.
-local function load(key)
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'none' then
-    return nil
+-- The fields of the record at key (owner, generation, state, lease_until,
+-- takeovers, send_id, renew_count): nil when there is none, false when it
+-- cannot be read. One HMGET answers for a readable record; a key of another
+-- type answers WRONGTYPE (any other error, such as a Cluster key this node
+-- does not serve, stops the script), and a record without an owner is looked
+-- at again.
+local function fields(key)
+  local f = redis.pcall('HMGET', key, 'owner', 'generation', 'state', 'lease_until',
+    'takeovers', 'send_id', 'renew_count')
+  if f.err then
+    if string.find(f.err, 'WRONGTYPE', 1, true) then
+      return false
+    end
+    error(f)
   end
-  if kind ~= 'hash' then
+  if not f[1] then
+    if redis.call('EXISTS', key) == 0 then
+      return nil
+    end
     return false
   end
-  local f = redis.call('HMGET', key, 'owner', 'generation', 'state', 'lease_until',
-    'takeovers', 'send_id')
   local state = f[3]
-  if not f[1] or not whole(f[2]) or not whole(f[4])
+  if not whole(f[2]) or not whole(f[4])
       or (f[5] and not whole(f[5]))
       or not (state == 'held' or state == 'released' or state == 'completed') then
     return false
   end
-  return {owner = f[1], generation_text = f[2], generation = tonumber(f[2]), state = state,
+  return f
+end
+-- The record at key: nil when there is none, false when it cannot be read.
+local function load(key)
+  local f = fields(key)
+  if not f then
+    return f
+  end
+  return {owner = f[1], generation_text = f[2], generation = tonumber(f[2]), state = f[3],
     lease_until = tonumber(f[4]), takeovers = tonumber(f[5] or '0'), send_id = f[6] or ''}
 end
 """
@@ -117,20 +136,40 @@ return {1, generation, lease_until, now, takeovers}
 
 # The fence of renew, complete and release: owner and generation match and
 # the lease is held (a run-out lease nobody claimed since still matches).
-_FENCE = """
+# fence() answers (nil, the record's fields) when the fence lets the caller
+# through, else the refusal reply; renew_record() moves a fenced record's
+# lease on.
+_FENCE_FUNCTIONS = """
+local function fence(key, owner, generation_text)
+  local f = fields(key)
+  if f == nil then
+    return {0}
+  end
+  if f == false then
+    return {3}
+  end
+  if f[1] ~= owner or f[2] ~= generation_text or f[3] ~= 'held' then
+    return {2, redis.call('HGETALL', key)}
+  end
+  return nil, f
+end
+local function renew_record(key, f, lease_until_text, now_text)
+  redis.call('HSET', key, 'lease_until', lease_until_text, 'renewed_at', now_text,
+    'renew_count', int((tonumber(f[7]) or 0) + 1))
+end
+"""
+
+_FENCE = (
+    _FENCE_FUNCTIONS
+    + """
 local key = KEYS[1]
-local r = load(key)
-if r == nil then
-  return {0}
-end
-if r == false then
-  return {3}
-end
-if r.owner ~= ARGV[1] or r.generation_text ~= ARGV[2] or r.state ~= 'held' then
-  return {2, redis.call('HGETALL', key)}
+local refused, r = fence(key, ARGV[1], ARGV[2])
+if refused then
+  return refused
 end
 local now = now_ms()
 """
+)
 
 #: Renew the lease.
 #: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation, ARGV[3] ttl in ms.
@@ -140,9 +179,60 @@ RENEW_SCRIPT = (
     + _FENCE
     + """
 local lease_until = now + tonumber(ARGV[3])
-redis.call('HSET', key, 'lease_until', int(lease_until), 'renewed_at', int(now))
-redis.call('HINCRBY', key, 'renew_count', 1)
+renew_record(key, r, int(lease_until), int(now))
 return {1, lease_until, now}
+"""
+)
+
+#: Renew many leases in one call, each fenced as RENEW_SCRIPT fences it.
+#: KEYS[1] the first lease's record key (it routes the call on a Cluster);
+#: ARGV[1] the leases, each as four fields ended by a NUL byte: record key,
+#: owner, generation, ttl in ms (one argument, not four per lease: a client
+#: spends far longer encoding many arguments than one; job ids and owners
+#: never hold a NUL).
+#: Returns {now, i, refusal, j, refusal, ...}: lease i (from 1) was refused,
+#: with its fenced refusal (see above); every lease not named was renewed
+#: until now + its ttl.
+#: Redis Cluster refuses declared keys of different slots, so only the first
+#: key is declared; the flag lets the script reach the others as long as
+#: this node serves their slots (else the call fails with an error, and the
+#: caller renews each lease alone). A single server ignores the flag.
+RENEW_MANY_SCRIPT = (
+    "#!lua flags=allow-cross-slot-keys\n"
+    + _PRELUDE
+    + _FENCE_FUNCTIONS
+    + """
+local data = ARGV[1]
+local at = 1
+local function field()
+  local stop = string.find(data, '\\0', at, true)
+  local text = string.sub(data, at, stop - 1)
+  at = stop + 1
+  return text
+end
+local now = now_ms()
+local now_text = int(now)
+local lease_until_by_ttl = {}
+local replies = {now}
+local i = 0
+while at <= #data do
+  i = i + 1
+  local key, owner, generation_text, ttl_text = field(), field(), field(), field()
+  local refused, r = fence(key, owner, generation_text)
+  if refused then
+    replies[#replies + 1] = i
+    replies[#replies + 1] = refused
+  else
+    -- the leases of one worker mostly share a ttl: format each end once
+    local lease_until_text = lease_until_by_ttl[ttl_text]
+    if not lease_until_text then
+      lease_until_text = int(now + tonumber(ttl_text))
+      lease_until_by_ttl[ttl_text] = lease_until_text
+    end
+    renew_record(key, r, lease_until_text, now_text)
+  end
+end
+return replies
 """
 )
 

@@ -90,10 +90,71 @@ def test_renew_many_answers_leases_on_every_master(
     assert len(masters) == 3  # the batch really spans every node
     requests = [RenewRequest(h.job_id, "worker-a", h.generation, 30) for h in held]  # type: ignore[union-attr]
     requests.insert(5, RenewRequest("spread-0", "worker-b", 1, 30))  # a stale one among them
+    cluster_store.renew_many(requests)  # the script is in every node's cache
+    before = _evalsha_calls(redis_cluster)
     results = cluster_store.renew_many(requests)
+    after = _evalsha_calls(redis_cluster)
+    # one script call per master, whatever the number of slots
+    assert {port: after[port] - before[port] for port in masters} == dict.fromkeys(masters, 1)
     assert [r.job_id for r in results] == [r.job_id for r in requests]
     assert isinstance(results[5], Refusal)
     assert all(isinstance(r, Renewed) for i, r in enumerate(results) if i != 5)
+
+
+def _evalsha_calls(cluster: RedisCluster) -> dict[int, int]:
+    """EVALSHA calls so far, per live node."""
+    calls = {}
+    for node in cluster.live_nodes():
+        stats = redis.Redis(port=node.port).info("commandstats")
+        calls[node.port] = int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    return calls
+
+
+def test_renew_many_renews_every_lease_while_a_slot_is_half_migrated(
+    own_cluster: RedisCluster,
+) -> None:
+    """A slot in the middle of a migration: one of its records is on the
+    target, one still on the source. The source's renew-many call fails at
+    the moved record (ASK when it is the declared key, an error from inside
+    the script when it is not); every lease is still renewed."""
+    store = open_store(own_cluster.url, prefix="m:")
+    source = own_cluster.node_of_slot(0)
+    target = next(n for n in own_cluster.live_nodes() if n is not source and "master" in _role(n))
+    low, high = _first_slots(own_cluster, source.port)
+    moved_job, staying_job = _jobs_in_slots(low, low, 2)
+    others = _jobs_in_slots(low + 1, high, 6)
+    try:
+        held = {}
+        for job in (moved_job, staying_job, *others):
+            claimed = store.claim(job, "worker-a", 30)
+            assert isinstance(claimed, Acquired)
+            held[job] = claimed
+        slot = str(low)
+        own_cluster.node_cli(
+            target.port, "CLUSTER", "SETSLOT", slot, "IMPORTING", _node_id(own_cluster, source.port)
+        )
+        own_cluster.node_cli(
+            source.port, "CLUSTER", "SETSLOT", slot, "MIGRATING", _node_id(own_cluster, target.port)
+        )
+        reply = own_cluster.node_cli(
+            source.port, "MIGRATE", "127.0.0.1", str(target.port), f"m:{{{moved_job}}}", "0", "5000"
+        )
+        assert reply.strip() == "OK"
+        orders = {
+            "declared": [moved_job, staying_job, *others],
+            "inside": [*others[:3], staying_job, moved_job, *others[3:]],
+        }
+        for where, order in orders.items():
+            requests = [RenewRequest(job, "worker-a", held[job].generation, 40) for job in order]
+            results = store.renew_many(requests)
+            assert [r.job_id for r in results] == order, where
+            assert all(isinstance(r, Renewed) for r in results), (where, results)
+        record = store.get(moved_job)  # the cluster client follows the ASK to the target
+        assert record is not None
+        assert record.renew_count == 2
+        assert record.generation == held[moved_job].generation
+    finally:
+        store.close()
 
 
 def test_resharding_the_slots_of_live_leases_loses_none(

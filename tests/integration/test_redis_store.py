@@ -31,6 +31,7 @@ from celery_leases import (
     StoreUnavailable,
     open_store,
 )
+from celery_leases.stores import redis as redis_store_module
 from celery_leases.stores.base import Refusal
 from celery_leases.stores.redis import RedisConfigWarning, RedisStore, mask_url
 from tests.conftest import serve
@@ -271,12 +272,9 @@ def test_first_claim_writes_the_record_once_and_deletes_nothing(
     assert isinstance(first, Acquired)
     after = commandstats(raw)
     calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    # one TYPE finds no record; nothing else is read
-    assert (calls["cmdstat_type"], calls.get("cmdstat_hmget", 0), calls["cmdstat_hset"]) == (
-        1,
-        0,
-        1,
-    )
+    # one HMGET finds no owner, one EXISTS no record; nothing else is read
+    read = ("cmdstat_hmget", "cmdstat_exists", "cmdstat_type", "cmdstat_hset")
+    assert [calls.get(name, 0) for name in read] == [1, 1, 0, 1]
     assert calls.get("cmdstat_hdel", 0) == 0
 
     # a claim over an old record clears the previous holder's times
@@ -288,6 +286,41 @@ def test_first_claim_writes_the_record_once_and_deletes_nothing(
     record = redis_store.get("job-a")
     assert record is not None
     assert (record.owner, record.renewed_at_ms, record.renew_count) == ("worker-b", None, 0)
+
+
+def test_a_held_record_is_read_and_renewed_with_one_command_each(
+    redis_store: RedisStore, raw: redis.Redis
+) -> None:
+    claimed = redis_store.claim("job-a", "worker-a", 30)
+    assert isinstance(claimed, Acquired)
+    redis_store.renew("job-a", "worker-a", claimed.generation, 30)  # the script is loaded
+    before = commandstats(raw)
+    renewed = redis_store.renew("job-a", "worker-a", claimed.generation, 30)
+    after = commandstats(raw)
+    assert isinstance(renewed, Renewed)
+    calls = {name: after[name] - before.get(name, 0) for name in after if name != "cmdstat_info"}
+    calls = {name: n for name, n in calls.items() if n}
+    assert calls == {
+        "cmdstat_evalsha": 1,
+        "cmdstat_hmget": 1,
+        "cmdstat_time": 1,
+        "cmdstat_hset": 1,
+    }
+    record = redis_store.get("job-a")
+    assert record is not None
+    assert record.renew_count == 2
+
+
+def test_a_renew_count_that_is_not_a_number_does_not_stop_renewals(
+    redis_store: RedisStore, raw: redis.Redis
+) -> None:
+    claimed = redis_store.claim("job-a", "worker-a", 30)
+    assert isinstance(claimed, Acquired)
+    raw.hset(redis_store.key("job-a"), "renew_count", "many")
+    assert isinstance(redis_store.renew("job-a", "worker-a", claimed.generation, 30), Renewed)
+    [many] = redis_store.renew_many([RenewRequest("job-a", "worker-a", claimed.generation, 30)])
+    assert isinstance(many, Renewed)
+    assert raw.hget(redis_store.key("job-a"), "renew_count") == "2"
 
 
 def test_refusals_name_the_current_record_from_one_reply(redis_store: RedisStore) -> None:
@@ -544,8 +577,8 @@ def test_renew_many_is_one_round_trip_with_refusals_in_order(
         assert isinstance(store.claim("taken", "worker-b", 30), Acquired)
         store.release("released", "worker-a", released.generation)
         store.complete("completed", "worker-a", completed.generation)
-        # the renew script is in the server's cache (a flush costs one reload)
-        store.renew(live[0].job_id, "worker-a", live[0].generation, 30)
+        # the renew-many script is in the server's cache (a flush costs one reload)
+        store.renew_many([RenewRequest(live[0].job_id, "worker-a", live[0].generation, 30)])
 
         requests = [RenewRequest(r.job_id, "worker-a", r.generation, 60) for r in live[:25]]
         requests += [
@@ -565,7 +598,8 @@ def test_renew_many_is_one_round_trip_with_refusals_in_order(
         store.close()
 
     assert sends == 1
-    assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == len(requests)
+    # one script call renews every lease
+    assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 1
     for name in ("cmdstat_script|load", "cmdstat_script|exists", "cmdstat_eval"):
         assert after.get(name, 0) == before.get(name, 0)
 
@@ -580,3 +614,36 @@ def test_renew_many_is_one_round_trip_with_refusals_in_order(
     renewed = [r for r in results if isinstance(r, Renewed)]
     assert len(renewed) == len(live)
     assert all(r.lease_until_ms - r.store_now_ms == 60_000 for r in renewed)
+
+
+def test_renew_many_sends_its_chunks_in_one_round_trip(
+    redis_server: RedisServer, raw: redis.Redis, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_store_module, "RENEW_CHUNK", 7)
+    store = RedisStore.from_url(
+        redis_server.url, prefix=f"t{unique}:", connection_class=CountingConnection
+    )
+    try:
+        held = [store.claim(f"job-{i}", "worker-a", 30) for i in range(20)]
+        requests = [RenewRequest(h.job_id, "worker-a", h.generation, 45) for h in held]  # type: ignore[union-attr]
+        requests[9] = RenewRequest("job-9", "worker-a", 1, 45)  # stale, in the second chunk
+        store.renew_many(requests[:1])  # the script is in the server's cache
+        before = commandstats(raw)
+        sends_before = CountingConnection.sends
+        results = store.renew_many(requests)
+        sends = CountingConnection.sends - sends_before
+        after = commandstats(raw)
+    finally:
+        store.close()
+    assert sends == 1
+    assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 3  # 7 + 7 + 6 leases
+    assert [r.job_id for r in results] == [r.job_id for r in requests]
+    assert isinstance(results[9], Refusal)
+    assert results[9].reason is RefusalReason.SUPERSEDED
+    assert all(isinstance(r, Renewed) for i, r in enumerate(results) if i != 9)
+    assert all(
+        r.lease_until_ms - r.store_now_ms == 45_000 for r in results if isinstance(r, Renewed)
+    )
+    for i in range(20):
+        expected = {0: "2", 9: "0"}.get(i, "1")  # job-0 was renewed by the warm-up too
+        assert raw.hget(f"t{unique}:{{job-{i}}}", "renew_count") == expected

@@ -106,6 +106,39 @@ def test_a_lease_due_within_half_an_interval_rides_in_the_same_call(
     assert lost == []
 
 
+def test_a_wake_up_brought_forward_by_the_jitter_renews_what_is_due() -> None:
+    """The thread wakes up early by up to `jitter` of an interval, at random;
+    the leases due within that much are renewed then, not after more wake-ups."""
+    store = RecordingStore()
+    lost: list[Lease] = []
+    lease = claim(store, "job", lost)
+    frozen = time.monotonic()
+    lease.next_renew_at = frozen + 0.05 * TIMING.renew_interval
+    heartbeat = Heartbeat(clock=lambda: frozen, jitter=0.1)
+    try:
+        heartbeat.add(lease)
+        # the clock stands still: only the jitter can make the lease due
+        assert wait_for(lambda: len(store.batches) >= 1, timeout=5)
+    finally:
+        heartbeat.stop()
+    assert store.batches[0] == 1
+
+
+def test_without_jitter_a_lease_is_renewed_only_once_due() -> None:
+    store = RecordingStore()
+    lease = claim(store, "job", [])
+    frozen = time.monotonic()
+    lease.next_renew_at = frozen + 0.05 * TIMING.renew_interval
+    heartbeat = Heartbeat(clock=lambda: frozen, jitter=0.0)
+    try:
+        heartbeat.add(lease)
+        assert heartbeat.tick() > 0
+        time.sleep(0.2)
+    finally:
+        heartbeat.stop()
+    assert store.batches == []
+
+
 def test_a_lease_due_more_than_half_an_interval_later_waits_for_its_own_turn(
     heartbeat: Heartbeat,
 ) -> None:
