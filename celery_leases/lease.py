@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import secrets
@@ -50,17 +51,35 @@ Clock = Callable[[], float]
 
 
 def make_owner() -> str:
-    """A new owner token: host, pid and a random part.
+    """A new owner token: host, pid, a random part and a count.
 
-    Made per claim, never at import: forked pool children would share a
-    token made before the fork, and a stale child would pass the owner check.
+    Each claim gets its own token. The random part is drawn once per process
+    and drawn again in a forked child (a child must never share its parent's
+    tokens, or a stale child would pass the owner check); the count tells
+    the claims of one process apart without a random draw each.
     """
-    return f"{_hostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+    if _owner_prefix.pid != os.getpid():
+        _owner_prefix.reset()
+    return f"{_owner_prefix.text}{next(_owner_prefix.count)}"
+
+
+class _OwnerPrefix:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.pid = os.getpid()
+        self.text = f"{_hostname()}:{self.pid}:{secrets.token_hex(8)}-"
+        self.count = itertools.count(1)
 
 
 @functools.lru_cache(maxsize=1)
 def _hostname() -> str:
     return socket.gethostname()
+
+
+_owner_prefix = _OwnerPrefix()
+os.register_at_fork(after_in_child=_owner_prefix.reset)
 
 
 class Lease:
@@ -120,6 +139,8 @@ class Lease:
         self._in_body = False
         self._interrupted = False
         self._finished = False
+        #: renewals the store accepted so far
+        self.renewals = 0
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else f"{self.remaining():.1f}s left"
@@ -231,6 +252,7 @@ class Lease:
                 self._deadline = max(self._deadline, started_at + self.timing.safe_duration)
                 self._lease_until_ms = max(self._lease_until_ms, result.lease_until_ms)
                 self.next_renew_at = started_at + self.timing.renew_interval
+                self.renewals += 1
         if expired:
             self.mark_lost(self._deadline_error())
             return

@@ -41,6 +41,9 @@ _held: dict[int, tuple[Any, str]] = {}
 #: without walking every held lease (a process may hold thousands)
 _held_counts: dict[str, int] = {}
 _owned_dir: str | None = None
+#: a metric's child per label values, made once: prometheus-client's
+#: ``labels()`` checks and locks on every call, twice per trivial task
+_children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
 #: deferral reasons that mean the claim itself did not get the lease
 _CLAIM_OUTCOMES = {"held": "held", "store-unavailable": "store_unavailable"}
@@ -101,9 +104,20 @@ def _get() -> dict[str, Any]:
         return _metrics
 
 
+def _child(name: str, *labels: str) -> Any:
+    """The child of metric ``name`` with these label values."""
+    key = (name, labels)
+    child = _children.get(key)
+    if child is None:
+        child = _get()[name].labels(*labels)
+        with _lock:
+            child = _children.setdefault(key, child)
+    return child
+
+
 def observe_store_error(operation: str) -> None:
     """Count a failed store ``operation`` (``claim``, ``renew``, ...)."""
-    _get()["store_errors"].labels(operation).inc()
+    _child("store_errors", operation).inc()
 
 
 def _task(sender: Any, lease: Any) -> str:
@@ -133,19 +147,18 @@ def _let_go(lease: Any) -> tuple[str, int] | None:
 
 def _on_claimed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
     task = _task(sender, lease)
-    metrics = _get()
-    metrics["claims"].labels(task, "acquired").inc()
+    _child("claims", task, "acquired").inc()
     # a ``takeover`` flag names this claim exactly; ``takeovers`` counts the
     # job's takeovers so far, so it also stays above 0 on later claims
     takeover = kwargs.get("takeover")
     if takeover is None:
         takeover = int(kwargs.get("takeovers") or 0) > 0
     if takeover:
-        metrics["takeovers"].labels(task).inc()
+        _child("takeovers", task).inc()
     if lease is not None:
         count = _hold(lease, task)
         if count is not None:
-            metrics["held"].labels(task).set(count)
+            _child("held", task).set(count)
 
 
 def _on_finished(sender: Any = None, lease: Any = None, **_: Any) -> None:
@@ -154,7 +167,7 @@ def _on_finished(sender: Any = None, lease: Any = None, **_: Any) -> None:
     released = _let_go(lease)
     if released is not None:
         task, count = released
-        _get()["held"].labels(task).set(count)
+        _child("held", task).set(count)
 
 
 def _on_renewed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
@@ -163,28 +176,27 @@ def _on_renewed(sender: Any = None, lease: Any = None, **kwargs: Any) -> None:
         # the local deadline is counted from when the renewal was sent
         round_trip = time.monotonic() - (lease.deadline - lease.timing.safe_duration)
     if round_trip is not None and round_trip >= 0:
-        _get()["renew"].labels(_task(sender, lease)).observe(round_trip)
+        _child("renew", _task(sender, lease)).observe(round_trip)
 
 
 def _on_lost(sender: Any = None, lease: Any = None, reason: Any = None, **_: Any) -> None:
-    _get()["lost"].labels(_task(sender, lease), str(reason or "unknown")).inc()
+    _child("lost", _task(sender, lease), str(reason or "unknown")).inc()
     if reason in _STORE_ERROR_REASONS:
         observe_store_error("renew")
     _on_finished(sender, lease)
 
 
 def _on_fenced_out(sender: Any = None, lease: Any = None, reason: Any = None, **_: Any) -> None:
-    _get()["fenced_out"].labels(_task(sender, lease), str(reason or "unknown")).inc()
+    _child("fenced_out", _task(sender, lease), str(reason or "unknown")).inc()
     _on_finished(sender, lease)
 
 
 def _on_deferred(sender: Any = None, lease: Any = None, reason: Any = None, **_: Any) -> None:
     task = _task(sender, lease)
-    metrics = _get()
-    metrics["deferred"].labels(task, str(reason or "unknown")).inc()
+    _child("deferred", task, str(reason or "unknown")).inc()
     outcome = _CLAIM_OUTCOMES.get(str(reason))
     if outcome is not None and lease is None:
-        metrics["claims"].labels(task, outcome).inc()
+        _child("claims", task, outcome).inc()
     if reason == "store-unavailable":
         observe_store_error("claim")
 
@@ -276,6 +288,7 @@ def _use_multiprocess_dir() -> None:
     values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     with _lock:
         _metrics.clear()
+        _children.clear()
 
 
 def metrics_registry() -> Any:

@@ -31,25 +31,23 @@ __all__ = ["connect", "lease_fields"]
 
 logger = logging.getLogger("celery_leases.transitions")
 
-#: what a signal's receiver cannot read from a non-task thread
+#: what a signal's receiver cannot read from a non-task thread, for leases
+#: made without their task id and hostname (a task's leases carry both)
 _claims: weakref.WeakKeyDictionary[Lease, tuple[str | None, str | None]] = (
     weakref.WeakKeyDictionary()
 )
-_renewals: weakref.WeakKeyDictionary[Lease, int] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _connected = False
 
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
     """The fields every event and log line of ``lease`` carries."""
-    with _lock:
-        renewals = _renewals.get(lease, 0)
     return {
         "job_id": lease.job_id,
         "generation": lease.generation,
         "owner": lease.owner,
         "lease_until": lease.lease_until.isoformat(),
-        "renewals": renewals,
+        "renewals": getattr(lease, "renewals", 0),
     }
 
 
@@ -131,17 +129,15 @@ def _safe(receiver: Callable[..., None]) -> Callable[..., None]:
 
 
 def _claimed(sender: Any, lease: Lease, job_id: str, takeovers: int = 0, **_: Any) -> None:
-    request = getattr(sender, "request", None)
-    with _lock:
-        _claims[lease] = (getattr(request, "id", None), getattr(request, "hostname", None))
-        _renewals[lease] = 0
+    if lease is not None and (lease.task_id is None or lease.hostname is None):
+        request = getattr(sender, "request", None)
+        with _lock:
+            _claims[lease] = (getattr(request, "id", None), getattr(request, "hostname", None))
     _record(sender, "claimed", events.LEASE_CLAIMED, logging.INFO, lease, job_id,
             takeovers=takeovers)  # fmt: skip
 
 
 def _renewed(sender: Any, lease: Lease, job_id: str, **_: Any) -> None:
-    with _lock:
-        _renewals[lease] = _renewals.get(lease, 0) + 1
     _record(sender, "renewed", events.LEASE_RENEWED, logging.DEBUG, lease, job_id)
 
 

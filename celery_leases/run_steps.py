@@ -55,12 +55,8 @@ logger = logging.getLogger("celery_leases")
 
 def outcome_options(task: Any) -> dict[str, Any]:
     """How ``task``'s outcomes are encoded for the lease record."""
-    app = task._get_app()
-    settings = settings_for(app)
-    return {
-        "serializer": app.conf.result_serializer,
-        "max_bytes": settings.result_max_bytes,
-    }
+    options = task.lease_options()
+    return {"serializer": options.result_serializer, "max_bytes": options.result_max_bytes}
 
 
 def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult | None:

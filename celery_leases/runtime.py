@@ -28,6 +28,10 @@ class TaskOptions:
     on_lost: OnLost
     takeover_limit: int | None
     defer_max: float
+    #: how outcomes are kept with a completion: the app's result serializer
+    #: and ``leases_result_max_bytes``
+    result_serializer: str = "json"
+    result_max_bytes: int = 0
 
 
 @dataclass
@@ -41,9 +45,22 @@ class _Runtime:
 
 _runtimes: weakref.WeakKeyDictionary[Any, _Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+#: this process's id, kept up to date across forks (no system call per run)
+_pid = os.getpid()
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _runtime(app: Any) -> _Runtime:
+    runtime = _runtimes.get(app)  # the common case, without the lock
+    if runtime is not None and runtime.pid == _pid:
+        return runtime
     with _lock:
         runtime = _runtimes.get(app)
         if runtime is None or runtime.pid != os.getpid():

@@ -192,6 +192,8 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 self.lease_on_lost_mode(),
                 self.lease_takeover_limit(),
                 self.lease_defer_limit(),
+                self._get_app().conf.result_serializer,
+                settings_for(self._get_app()).result_max_bytes,
             ),
         )
 

@@ -34,3 +34,33 @@ def test_the_receiver_is_connected_when_the_signal_exists() -> None:
     if skipped is None:
         pytest.skip("this task runner does not send lease_skipped yet")
     assert skipped.has_listeners()
+
+
+def test_a_signal_remembers_its_receivers_per_sender_and_forgets_them_on_connect() -> None:
+    class Sender:
+        pass
+
+    sender = Sender()
+    calls: list[str] = []
+
+    def first(**_: object) -> None:
+        calls.append("first")
+
+    def second(**_: object) -> None:
+        calls.append("second")
+
+    signal = signals.lease_claimed
+    signal.connect(first, sender=sender, weak=False)
+    try:
+        signal.send(sender=sender, lease=None, job_id="j", takeovers=0)
+        assert sender in signal.sender_receivers_cache  # looked up once, then kept
+        signal.connect(second, sender=sender, weak=False)
+        signal.send(sender=sender, lease=None, job_id="j", takeovers=0)
+    finally:
+        signal.disconnect(first, sender=sender)
+        signal.disconnect(second, sender=sender)
+    assert calls == ["first", "first", "second"]
+    signal.send(sender=sender, lease=None, job_id="j", takeovers=0)
+    assert calls == ["first", "first", "second"]
+    # a sender that cannot be kept in the cache is looked up each time
+    assert signal.has_listeners() == bool(signal.receivers)
