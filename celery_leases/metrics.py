@@ -235,9 +235,12 @@ def install_metrics(app: Any, *, required: bool = True) -> None:
     ``leases_metrics_address`` are read when the worker starts.
 
     Args:
-        required: raise when prometheus-client is missing. With False
-            (for a call made on every app) the metrics stay off unless
-            ``leases_metrics_port`` is set, and then the worker logs an error.
+        required: with True (a call of your own) the metrics are on and
+            prometheus-client must be installed. With False (the call the
+            library makes on every app) the metrics stay off, and cost a
+            task nothing, unless ``leases_metrics_port`` is set; a port set
+            without prometheus-client stops the worker with an error saying
+            what to install.
 
     Raises:
         LeaseConfigurationError: prometheus-client is missing (and
@@ -246,12 +249,8 @@ def install_metrics(app: Any, *, required: bool = True) -> None:
     from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
     _port(app)
-    try:
+    if required:
         _prometheus()
-    except LeaseConfigurationError:
-        if required:
-            raise
-    else:
         _connect_receivers()
 
     def prepare(sender: Any = None, **_: Any) -> None:

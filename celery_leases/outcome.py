@@ -15,6 +15,7 @@ or ``"error"`` (``value`` is then ``{"type": ..., "message": ...}``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -39,18 +40,24 @@ def encode_error(error: BaseException, *, serializer: str, max_bytes: int) -> by
     return _encode(("error", detail), serializer, max_bytes)
 
 
+#: the head of a JSON outcome, as kombu names its JSON serializer
+_JSON_HEAD = b"application/json\nutf-8\n"
+
+
 def _encode(outcome: Outcome, serializer: str, max_bytes: int) -> bytes | None:
     if max_bytes <= 0:
         return None
-    try:
-        content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
-            list(outcome), serializer=serializer
-        )
-    except Exception as exc:
-        logger.info("the task's result is not kept with its completion: %r", exc)
-        return None
-    body = data.encode(encoding or "utf-8") if isinstance(data, str) else bytes(data)
-    payload = f"{content_type}\n{encoding}\n".encode() + body
+    payload = _plain_json(outcome) if serializer == "json" else None
+    if payload is None:
+        try:
+            content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
+                list(outcome), serializer=serializer
+            )
+        except Exception as exc:
+            logger.info("the task's result is not kept with its completion: %r", exc)
+            return None
+        body = data.encode(encoding or "utf-8") if isinstance(data, str) else bytes(data)
+        payload = f"{content_type}\n{encoding}\n".encode() + body
     if len(payload) > max_bytes:
         logger.info(
             "the task's result (%d bytes encoded) is not kept with its completion: "
@@ -60,6 +67,18 @@ def _encode(outcome: Outcome, serializer: str, max_bytes: int) -> bytes | None:
         )
         return None
     return payload
+
+
+def _plain_json(outcome: Outcome) -> bytes | None:
+    """``outcome`` as kombu's JSON serializer writes it, if plain JSON types
+    hold it (else None, and kombu encodes it, with its markers for dates,
+    UUIDs and decimals). kombu's serializer is the standard library's encoder
+    with a hook for other types; calling that encoder straight saves most of
+    a trivial task's encoding time."""
+    try:
+        return _JSON_HEAD + json.dumps(list(outcome)).encode("utf-8")
+    except (TypeError, ValueError):
+        return None
 
 
 def decode(payload: bytes, *, accept: Iterable[str] | None) -> Outcome:

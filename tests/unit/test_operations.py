@@ -3,7 +3,9 @@ scrubbing, the purge schedule, and what each signal does to the metrics."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import textwrap
 import time
 from datetime import timedelta
 from typing import Any
@@ -170,6 +172,37 @@ def test_without_prometheus_client_metrics_say_what_to_install(
     with pytest.raises(LeaseConfigurationError, match=r"pip install 'celery-leases\[metrics\]'"):
         install_metrics(app)
     install_metrics(app, required=False)  # off, quietly, for a call made on every app
+
+
+def test_metrics_are_off_until_asked_for_even_with_prometheus_client_installed() -> None:
+    """Every app gets ``install_metrics(app, required=False)``: that alone
+    connects nothing, so a task pays nothing for metrics nobody reads."""
+    script = textwrap.dedent(
+        """
+        from celery import Celery
+        from celery_leases import LeasedTask, signals
+        from celery_leases.metrics import install_metrics
+
+        def connected():
+            return any("metrics" in repr(key) for key, _ in signals.lease_claimed.receivers)
+
+        app = Celery("metrics-off", set_as_current=False)
+
+        @app.task(base=LeasedTask, shared=False, name="off.job")
+        def job():
+            pass
+
+        app.finalize()
+        install_metrics(app, required=False)
+        before = connected()
+        install_metrics(app)
+        print(before, connected())
+        """
+    )
+    reply = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert reply.stdout.split() == ["False", "True"]
 
 
 def test_beat_reads_the_purge_entry_as_an_hourly_interval() -> None:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime, timezone
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kombu.serialization import dumps as kombu_dumps
 
 from celery_leases.outcome import decode, encode_error, encode_value
 
@@ -39,3 +45,27 @@ def test_a_content_type_the_app_does_not_accept_is_refused() -> None:
 def test_garbage_is_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unreadable outcome"):
         decode(b"no newlines here", accept=None)
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_JSON_VALUES)
+def test_plain_json_values_are_encoded_byte_for_byte_as_kombu_encodes_them(value: object) -> None:
+    payload = encode_value(value, serializer="json", max_bytes=1 << 20)
+    content_type, encoding, body = kombu_dumps(["ok", value], serializer="json")
+    assert payload == f"{content_type}\n{encoding}\n".encode() + body.encode(encoding)
+    assert decode(payload, accept=["json"]) == ("ok", value)
+
+
+def test_values_plain_json_cannot_hold_go_through_kombu_and_come_back() -> None:
+    moment = datetime(2026, 12, 1, 7, 0, tzinfo=timezone.utc)
+    ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    payload = encode_value({"at": moment, "id": ident}, serializer="json", max_bytes=4096)
+    assert payload is not None
+    assert decode(payload, accept=["json"]) == ("ok", {"at": moment, "id": ident})
