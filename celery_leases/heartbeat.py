@@ -81,6 +81,11 @@ class Heartbeat:
         self._in_flight: dict[int, int] = {}
         #: leases (by id) whose renewal call is running now
         self._renewing: set[int] = set()
+        #: how long the thread sleeps with no lease held: the shortest renew
+        #: interval of the leases added so far. A lease added then is due no
+        #: sooner than that, so adding it need not wake the thread (short
+        #: tasks would otherwise wake it once each, for nothing)
+        self._idle_wait = 3600.0
         self.pid = os.getpid()
 
     # -- public --------------------------------------------------------------
@@ -89,6 +94,7 @@ class Heartbeat:
         """Start renewing ``lease`` (starts the thread on first use)."""
         with self._lock:
             self._leases[id(lease)] = lease
+            self._idle_wait = min(self._idle_wait, lease.timing.renew_interval)
             if self._thread is None or not self._thread.is_alive():
                 self._stopping.clear()
                 self._thread = threading.Thread(
@@ -156,15 +162,21 @@ class Heartbeat:
                 self.remove(lease)
         held = self.held()
         now = self._clock()
+        with self._lock:
+            renewing = set(self._renewing)
         # The thread wakes up early by up to `jitter` of an interval (see
-        # _next_wait): a lease due within that much is due now.
+        # _next_wait): a lease due within that much is due now. Not one whose
+        # renewal is in flight: it waits the full time its call was given.
         jitter = self._jitter
-        due = {id(x) for x in held if x.next_renew_at <= now + jitter * x.timing.renew_interval}
+        due = {
+            id(x)
+            for x in held
+            if x.next_renew_at <= now
+            or (x.next_renew_at <= now + jitter * x.timing.renew_interval and id(x) not in renewing)
+        }
         if not due:
             return self._next_wait(held)
         due_stores = {id(x.store) for x in held if id(x) in due}
-        with self._lock:
-            renewing = set(self._renewing)
         due_by_store: dict[int, tuple[LeaseStore, list[Lease]]] = {}
         for lease in held:
             key = id(lease.store)
@@ -238,7 +250,7 @@ class Heartbeat:
 
     def _next_wait(self, leases: list[Lease]) -> float:
         if not leases:
-            return 3600.0
+            return self._idle_wait
         now = self._clock()
         # one random draw per wake-up, not per lease: the same early wake-up
         # for a fraction of each lease's own interval

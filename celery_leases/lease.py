@@ -58,19 +58,23 @@ def make_owner() -> str:
     tokens, or a stale child would pass the owner check); the count tells
     the claims of one process apart without a random draw each.
     """
-    if _owner_prefix.pid != os.getpid():
-        _owner_prefix.reset()
-    return f"{_owner_prefix.text}{next(_owner_prefix.count)}"
+    state = _owner_prefix.state
+    if state[0] != os.getpid():  # a fork that ran no at-fork hooks
+        state = _owner_prefix.reset()
+    return f"{state[1]}{next(state[2])}"
 
 
 class _OwnerPrefix:
+    """This process's (pid, prefix, count), replaced as one tuple: a thread
+    never sees a new pid with the old prefix."""
+
     def __init__(self) -> None:
         self.reset()
 
-    def reset(self) -> None:
-        self.pid = os.getpid()
-        self.text = f"{_hostname()}:{self.pid}:{secrets.token_hex(8)}-"
-        self.count = itertools.count(1)
+    def reset(self) -> tuple[int, str, itertools.count[int]]:
+        pid = os.getpid()
+        self.state = (pid, f"{_hostname()}:{pid}:{secrets.token_hex(8)}-", itertools.count(1))
+        return self.state
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,7 +83,7 @@ def _hostname() -> str:
 
 
 _owner_prefix = _OwnerPrefix()
-os.register_at_fork(after_in_child=_owner_prefix.reset)
+os.register_at_fork(after_in_child=_owner_prefix.reset)  # the common case, before any thread
 
 
 class Lease:

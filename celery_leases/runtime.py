@@ -45,21 +45,11 @@ class _Runtime:
 
 _runtimes: weakref.WeakKeyDictionary[Any, _Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-#: this process's id, kept up to date across forks (no system call per run)
-_pid = os.getpid()
-
-
-def _after_fork() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_after_fork)
 
 
 def _runtime(app: Any) -> _Runtime:
     runtime = _runtimes.get(app)  # the common case, without the lock
-    if runtime is not None and runtime.pid == _pid:
+    if runtime is not None and runtime.pid == os.getpid():
         return runtime
     with _lock:
         runtime = _runtimes.get(app)

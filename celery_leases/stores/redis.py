@@ -25,6 +25,7 @@ from redis.exceptions import (
     AskError,
     ClusterCrossSlotError,
     NoScriptError,
+    RedisClusterException,
     RedisError,
     ResponseError,
     TryAgainError,
@@ -91,6 +92,12 @@ RENEW_CHUNK = 500
 #: not caught up with): the call stopped at that key or did not start.
 _REDIRECTS = (AskError, TryAgainError, ClusterCrossSlotError)  # MovedError is an AskError
 _NON_LOCAL = "non local key"
+
+
+def _cannot_compile(error: ResponseError) -> bool:
+    """Whether the server refused to compile a script (its flags line, before Redis 7)."""
+    text = str(error)
+    return "Error compiling script" in text or "shebang" in text
 
 
 def _redirected(error: ResponseError) -> bool:
@@ -163,6 +170,9 @@ class RedisStore(LeaseStore):
     ) -> None:
         if not isinstance(prefix, str):
             raise LeaseConfigurationError(f"prefix must be a string, got {prefix!r}")
+        if "\x00" in prefix:
+            # renew_many ends each field with a NUL byte
+            raise LeaseConfigurationError(f"prefix {prefix!r} contains a NUL character")
         self.url = _describe(client)
         self.prefix = prefix
         self._client = client
@@ -171,6 +181,9 @@ class RedisStore(LeaseStore):
         self._claim_script = _Script(scripts.CLAIM_SCRIPT)
         self._renew_script = _Script(scripts.RENEW_SCRIPT)
         self._renew_many_script = _Script(scripts.RENEW_MANY_SCRIPT)
+        #: False once the server could not compile the renew-many script
+        #: (Redis before 7 reads its flags line as code): renew one by one
+        self._renew_many_compiles = True
         self._complete_script = _Script(scripts.COMPLETE_SCRIPT)
         self._release_script = _Script(scripts.RELEASE_SCRIPT)
         self._force_release_script = _Script(scripts.FORCE_RELEASE_SCRIPT)
@@ -267,7 +280,9 @@ class RedisStore(LeaseStore):
                     job_id=job_id,
                 ) from exc
             raise self._unavailable(operation, about, exc, job_id) from exc
-        if isinstance(exc, OSError):
+        if isinstance(exc, (OSError, RedisClusterException)):
+            # a cluster client error (a slot no node serves after a failover,
+            # no node reachable) is not a RedisError: the cluster is unavailable
             raise self._unavailable(operation, about, exc, job_id) from exc
         if isinstance(exc, (KeyError, ValueError, IndexError)):
             # a reply from a server that is not Redis-compatible enough
@@ -449,6 +464,8 @@ class RedisStore(LeaseStore):
         redirection.
         """
         with self._errors(f"renew_many of {len(requests)} leases"):
+            if not self._renew_many_compiles:
+                return self._renew_all_each(requests)
             chunks = self._renew_chunks(requests)
             calls: list[_Call] = []
             ttl_ms: dict[float, int] = {}  # the leases of one worker mostly share a ttl
@@ -462,7 +479,19 @@ class RedisStore(LeaseStore):
                     for i, r in ((i, requests[i]) for i in chunk)
                 )
                 calls.append(((first,), (leases,)))
-            replies = self._run_batch(self._renew_many_script, calls, follow=False)
+            try:
+                replies = self._run_batch(self._renew_many_script, calls, follow=False)
+            except ResponseError as exc:
+                if not _cannot_compile(exc):
+                    raise
+                logger.info(
+                    "the Redis server at %s cannot run the batched renewal script (%s); "
+                    "renewing each lease with its own script call, in one pipeline",
+                    self.url,
+                    exc,
+                )
+                self._renew_many_compiles = False
+                return self._renew_all_each(requests)
             results: list[RenewResult | None] = [None] * len(requests)
             for chunk, reply in zip(chunks, replies, strict=True):
                 if isinstance(reply, ResponseError) and _redirected(reply):
@@ -481,6 +510,12 @@ class RedisStore(LeaseStore):
             done = [result for result in results if result is not None]
             assert len(done) == len(requests), "a lease was left without a reply"
             return done
+
+    def _renew_all_each(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        results: list[RenewResult | None] = [None] * len(requests)
+        for chunk in self._renew_chunks(requests):
+            self._renew_each(requests, chunk, results)
+        return [result for result in results if result is not None]
 
     def _renew_each(
         self,

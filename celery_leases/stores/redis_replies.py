@@ -121,7 +121,9 @@ def _permanent(exc: RedisError) -> bool:
     """Whether ``exc`` is a refusal that trying again cannot change.
 
     Unreachable, timed out, loading, busy, read-only (a failover), out of
-    memory, a cluster that is down: the store is unavailable for now.
+    memory, a cluster that is down, a disk it cannot write (``MISCONF``),
+    too few replicas for ``min-replicas-to-write`` (``NOREPLICAS``): the
+    store is unavailable for now.
     Credentials, rights, and any other error reply (an unknown command, a
     server without scripting): a configuration to fix.
     """
@@ -142,7 +144,16 @@ def _permanent(exc: RedisError) -> bool:
     code = str(exc).split(" ", 1)[0].upper()
     if code in ("NOAUTH", "WRONGPASS", "NOPERM"):
         return True
-    return code not in ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+    return code not in (
+        "BUSY",
+        "LOADING",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "READONLY",
+        "MISCONF",
+        "NOREPLICAS",
+    )
 
 
 def _escape_glob(text: str) -> str:

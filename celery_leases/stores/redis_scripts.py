@@ -155,7 +155,7 @@ local function fence(key, owner, generation_text)
 end
 local function renew_record(key, f, lease_until_text, now_text)
   redis.call('HSET', key, 'lease_until', lease_until_text, 'renewed_at', now_text,
-    'renew_count', int((tonumber(f[7]) or 0) + 1))
+    'renew_count', whole(f[7]) and #f[7] < 16 and int(tonumber(f[7]) + 1) or '1')
 end
 """
 

@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import redis
+from redis.exceptions import RedisClusterException
 
 from celery_leases import (
     Acquired,
     AlreadyCompleted,
     Completed,
     HeldElsewhere,
+    LeaseConfigurationError,
     LeaseError,
     LeaseRecordUnreadable,
     LeaseState,
@@ -34,6 +36,7 @@ from celery_leases import (
 from celery_leases.stores import redis as redis_store_module
 from celery_leases.stores.base import Refusal
 from celery_leases.stores.redis import RedisConfigWarning, RedisStore, mask_url
+from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT
 from tests.conftest import serve
 from tests.operations import every_operation
 from tests.servers import RedisServer, free_port
@@ -309,6 +312,59 @@ def test_a_held_record_is_read_and_renewed_with_one_command_each(
     record = redis_store.get("job-a")
     assert record is not None
     assert record.renew_count == 2
+
+
+def test_a_server_that_cannot_compile_the_batch_script_renews_lease_by_lease(
+    redis_store: RedisStore, raw: redis.Redis
+) -> None:
+    """Redis before 7 reads the script's flags line as code. As such a server
+    would, this one is given the script with its flags line spoiled."""
+    held = [redis_store.claim(f"job-{i}", "worker-a", 30) for i in range(5)]
+    requests = [RenewRequest(h.job_id, "worker-a", h.generation, 40) for h in held]  # type: ignore[union-attr]
+    requests[2] = RenewRequest("job-2", "worker-a", 1, 40)  # stale
+    redis_store._renew_many_script = redis_store_module._Script(" " + RENEW_MANY_SCRIPT)
+    for _ in range(2):
+        before = commandstats(raw)
+        results = redis_store.renew_many(requests)
+        after = commandstats(raw)
+        assert [r.job_id for r in results] == [r.job_id for r in requests]
+        assert isinstance(results[2], Refusal)
+        assert all(isinstance(r, Renewed) for i, r in enumerate(results) if i != 2)
+    # the second round does not try the batch script again
+    assert after.get("cmdstat_script|load", 0) == before.get("cmdstat_script|load", 0)
+    assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == len(requests)
+
+
+def test_a_prefix_with_a_nul_is_refused(redis_server: RedisServer) -> None:
+    with pytest.raises(LeaseConfigurationError, match="NUL"):
+        RedisStore.from_url(redis_server.url, prefix="a\x00b:")
+
+
+def test_a_server_short_of_replicas_is_an_outage_not_a_configuration_error() -> None:
+    for server in serve(lambda: RedisServer("--min-replicas-to-write", "1")):
+        store = RedisStore.from_url(server.url, check_config=False)
+        try:
+            with pytest.raises(StoreUnavailable, match="NOREPLICAS"):
+                store.claim("job-a", "worker-a", 30)
+        finally:
+            store.close()
+
+
+def test_a_cluster_client_error_is_an_outage() -> None:
+    store = RedisStore.from_url("redis://127.0.0.1:1/0", check_config=False)
+    with pytest.raises(StoreUnavailable, match="renew_many"), store._errors("renew_many"):
+        raise RedisClusterException("no node serves slot 866")
+
+
+@pytest.mark.parametrize("spoiled", ["many", "inf", "1e400", "-3", "99999999999999999999"])
+def test_a_renew_count_that_is_not_a_whole_number_starts_again(
+    redis_store: RedisStore, raw: redis.Redis, spoiled: str
+) -> None:
+    claimed = redis_store.claim("job-a", "worker-a", 30)
+    assert isinstance(claimed, Acquired)
+    raw.hset(redis_store.key("job-a"), "renew_count", spoiled)
+    assert isinstance(redis_store.renew("job-a", "worker-a", claimed.generation, 30), Renewed)
+    assert raw.hget(redis_store.key("job-a"), "renew_count") == "1"
 
 
 def test_a_renew_count_that_is_not_a_number_does_not_stop_renewals(

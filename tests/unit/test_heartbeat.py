@@ -139,6 +139,61 @@ def test_without_jitter_a_lease_is_renewed_only_once_due() -> None:
     assert store.batches == []
 
 
+def test_a_renewal_in_flight_is_not_sent_again_within_the_jitter() -> None:
+    """A call that takes its time holds its leases back for the wait it was
+    given (here 1 s); the jitter's early allowance (here 2 s) does not apply."""
+    release = threading.Event()
+
+    class SlowStore(RecordingStore):
+        def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+            self.batches.append(len(requests))
+            release.wait(10)
+            return MemoryStore._renew_many(self, requests)
+
+    store = SlowStore()
+    timing = LeaseTiming(ttl=60, renew_interval=20, drift_margin=1)
+    lease = claim(store, "job", [], timing)
+    frozen = time.monotonic()
+    lease.next_renew_at = frozen
+    heartbeat = Heartbeat(clock=lambda: frozen, jitter=0.1)
+    try:
+        heartbeat.add(lease)
+        assert wait_for(lambda: store.batches == [1], timeout=5)
+        for _ in range(3):  # wake-ups while the call hangs
+            heartbeat.tick()
+        time.sleep(0.1)
+        assert store.batches == [1]
+    finally:
+        release.set()
+        heartbeat.stop()
+
+
+def test_short_runs_one_after_another_do_not_wake_the_thread_each() -> None:
+    store = RecordingStore()
+    ticks: list[float] = []
+
+    class CountingHeartbeat(Heartbeat):
+        def tick(self) -> float:
+            ticks.append(time.monotonic())
+            return super().tick()
+
+    heartbeat = CountingHeartbeat()
+    timing = LeaseTiming(ttl=30, renew_interval=10, drift_margin=1)
+    try:
+        for n in range(20):  # each lease is gone before the next one comes
+            lease = claim(store, f"job-{n}", [], timing)
+            heartbeat.add(lease)
+            time.sleep(0.02)
+            heartbeat.remove(lease)
+            time.sleep(0.02)
+    finally:
+        heartbeat.stop()
+    # the first add starts the thread; the idle thread then sleeps a renew
+    # interval, not an hour, so later adds need not wake it
+    assert len(ticks) <= 3, len(ticks)
+    assert store.batches == []
+
+
 def test_a_lease_due_more_than_half_an_interval_later_waits_for_its_own_turn(
     heartbeat: Heartbeat,
 ) -> None:

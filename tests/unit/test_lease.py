@@ -11,6 +11,7 @@ from datetime import timezone
 import pytest
 
 from celery_leases import LeaseConfigurationError, LeaseLost, LeaseTiming, StoreUnavailable
+from celery_leases import lease as lease_module
 from celery_leases.lease import Lease, make_owner
 from celery_leases.stores.base import (
     Acquired,
@@ -80,6 +81,18 @@ def test_owner_token_is_new_per_call_and_names_the_process() -> None:
     first, second = make_owner(), make_owner()
     assert first != second
     assert f":{os.getpid()}:" in first
+
+
+def test_owner_tokens_of_a_process_forked_without_hooks_are_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parent = make_owner()
+    monkeypatch.setattr(lease_module.os, "getpid", lambda: 4242424)
+    child_first, child_second = make_owner(), make_owner()
+    assert ":4242424:" in child_first
+    assert child_first.rsplit(":", 1)[1].split("-")[0] != parent.rsplit(":", 1)[1].split("-")[0]
+    assert child_first.endswith("-1")
+    assert child_second.endswith("-2")
 
 
 def test_remaining_counts_from_before_the_claim_minus_the_drift_margin(
