@@ -30,8 +30,8 @@ class TaskOptions:
     defer_max: float
     #: how outcomes are kept with a completion: the app's result serializer
     #: and ``leases_result_max_bytes``
-    result_serializer: str = "json"
-    result_max_bytes: int = 0
+    result_serializer: str
+    result_max_bytes: int
 
 
 @dataclass

@@ -83,7 +83,7 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 SCAN_BATCH = 500
 
 #: Leases per call of the renew-many script. One call holds the server for
-#: its whole run (about 3 µs per lease); the calls of one ``renew_many``
+#: its whole run (about 4 µs per lease); the calls of one ``renew_many``
 #: share a pipeline, so they still take one round trip.
 RENEW_CHUNK = 500
 
@@ -354,26 +354,32 @@ class RedisStore(LeaseStore):
             return self._client.evalsha(script.sha, 1, key, *args)
 
     def _run_batch(
-        self, script: _Script, calls: Sequence[_Call], *, follow: bool = True
+        self, script: _Script, calls: Sequence[_Call], *, single: bool = True
     ) -> list[Any]:
         """Run ``script`` once per (keys, args) in one pipelined round trip.
 
         Replies that are NOSCRIPT (the script cache was flushed) are sent
-        again after loading the script; such a call did not run. Other error
-        replies are returned as they are, for the caller to judge. ``follow``
-        lets a Cluster store send a redirected call again where it is sent
-        (for calls on one record only).
+        again after loading the script; such a call did not run. With
+        ``single`` (each call on one record) a Cluster store sends a
+        redirected call again where it is sent, and an error reply is
+        raised; else (renew-many calls) error replies are returned as they
+        are, for the caller to judge.
 
         Raises:
-            RedisError: the pipeline failed.
+            RedisError: the pipeline failed, or (``single``) a call answered
+                with an error.
         """
-        replies = self._send_batch(script.sha, calls, follow)
+        replies = self._send_batch(script.sha, calls, single)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             script.sha = _text(self._client.script_load(script.source))
-            again = self._send_batch(script.sha, [calls[i] for i in missing], follow)
+            again = self._send_batch(script.sha, [calls[i] for i in missing], single)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
+        if single:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
         return replies
 
     def _send_batch(self, sha: str, calls: Sequence[_Call], follow: bool) -> list[Any]:
@@ -461,41 +467,20 @@ class RedisStore(LeaseStore):
         leases before the moved one: renewing them again moves their
         ``lease_until`` on once more, which the fence allows. So its whole
         chunk is renewed again lease by lease, each call following its own
-        redirection.
+        redirection. A server that cannot compile the script (before Redis
+        7) has every chunk renewed lease by lease.
         """
         with self._errors(f"renew_many of {len(requests)} leases"):
-            if not self._renew_many_compiles:
-                return self._renew_all_each(requests)
             chunks = self._renew_chunks(requests)
-            calls: list[_Call] = []
             ttl_ms: dict[float, int] = {}  # the leases of one worker mostly share a ttl
             ttls = [
                 ttl_ms.get(r.ttl) or ttl_ms.setdefault(r.ttl, ttl_to_ms(r.ttl)) for r in requests
             ]
-            for chunk in chunks:
-                first = self.key(requests[chunk[0]].job_id)
-                leases = "".join(
-                    f"{self.key(r.job_id)}\0{r.owner}\0{r.generation}\0{ttls[i]}\0"
-                    for i, r in ((i, requests[i]) for i in chunk)
-                )
-                calls.append(((first,), (leases,)))
-            try:
-                replies = self._run_batch(self._renew_many_script, calls, follow=False)
-            except ResponseError as exc:
-                if not _cannot_compile(exc):
-                    raise
-                logger.info(
-                    "the Redis server at %s cannot run the batched renewal script (%s); "
-                    "renewing each lease with its own script call, in one pipeline",
-                    self.url,
-                    exc,
-                )
-                self._renew_many_compiles = False
-                return self._renew_all_each(requests)
+            replies = self._send_renew_many(requests, chunks, ttls)
             results: list[RenewResult | None] = [None] * len(requests)
             for chunk, reply in zip(chunks, replies, strict=True):
-                if isinstance(reply, ResponseError) and _redirected(reply):
-                    self._renew_each(requests, chunk, results)
+                if reply is None or (isinstance(reply, ResponseError) and _redirected(reply)):
+                    self._renew_each(requests, chunk, ttls, results)
                     continue
                 if isinstance(reply, Exception):
                     raise reply
@@ -511,29 +496,48 @@ class RedisStore(LeaseStore):
             assert len(done) == len(requests), "a lease was left without a reply"
             return done
 
-    def _renew_all_each(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
-        results: list[RenewResult | None] = [None] * len(requests)
-        for chunk in self._renew_chunks(requests):
-            self._renew_each(requests, chunk, results)
-        return [result for result in results if result is not None]
+    def _send_renew_many(
+        self, requests: Sequence[RenewRequest], chunks: list[list[int]], ttls: list[int]
+    ) -> list[Any]:
+        """The replies of one renew-many call per chunk; None for every chunk
+        when the server cannot compile the script."""
+        if not self._renew_many_compiles:
+            return [None] * len(chunks)
+        calls: list[_Call] = []
+        for chunk in chunks:
+            leases = "".join(
+                f"{self.key(requests[i].job_id)}\0{requests[i].owner}\0"
+                f"{requests[i].generation}\0{ttls[i]}\0"
+                for i in chunk
+            )
+            calls.append(((self.key(requests[chunk[0]].job_id),), (leases,)))
+        try:
+            return self._run_batch(self._renew_many_script, calls, single=False)
+        except ResponseError as exc:
+            if not _cannot_compile(exc):
+                raise
+            logger.info(
+                "the Redis server at %s cannot run the batched renewal script (%s); "
+                "renewing each lease with its own script call, in one pipeline",
+                self.url,
+                exc,
+            )
+            self._renew_many_compiles = False
+            return [None] * len(chunks)
 
     def _renew_each(
         self,
         requests: Sequence[RenewRequest],
         chunk: Sequence[int],
+        ttls: list[int],
         results: list[RenewResult | None],
     ) -> None:
         """Renew the leases at ``chunk`` with one single-lease call each, pipelined."""
         calls: list[_Call] = [
-            (
-                (self.key(requests[i].job_id),),
-                (requests[i].owner, requests[i].generation, ttl_to_ms(requests[i].ttl)),
-            )
+            ((self.key(requests[i].job_id),), (requests[i].owner, requests[i].generation, ttls[i]))
             for i in chunk
         ]
         for index, reply in zip(chunk, self._run_batch(self._renew_script, calls), strict=True):
-            if isinstance(reply, Exception):
-                raise reply
             results[index] = self._batch_renew_result(reply, requests[index])
 
     def _batch_renew_result(self, reply: Any, r: RenewRequest) -> RenewResult:
@@ -630,10 +634,7 @@ class RedisStore(LeaseStore):
             deleted = 0
             for keys in self._scan_keys():
                 calls: list[_Call] = [((key,), (older_than_ms,)) for key in keys]
-                for reply in self._run_batch(self._purge_one_script, calls):
-                    if isinstance(reply, Exception):
-                        raise reply
-                    deleted += int(reply)
+                deleted += sum(int(r) for r in self._run_batch(self._purge_one_script, calls))
             return deleted
 
     def _now_ms(self) -> int:

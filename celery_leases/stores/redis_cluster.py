@@ -9,10 +9,12 @@ key is ``<prefix>{<job id>}``, so its slot is that of the job id.
 ``renew_many`` groups its leases by the node that serves each key's slot and
 sends each node its leases in renew-many script calls (a script flag lets
 one call name keys of several slots on one node), one pipeline per node, one
-node after another. A call refused with ``MOVED``, ``ASK``, ``TRYAGAIN`` or
-``CROSSSLOT`` (a resharding) did not run; its leases are renewed one call
-each, and each such call follows the redirection to the node that now serves
-the slot. ``records()`` and ``purge()`` scan every primary.
+node after another. A call that meets a slot moved by a resharding is
+refused before it starts (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CROSSSLOT``) or
+stops at the first record its node no longer serves; its leases are then
+renewed one call each (a lease renewed twice is allowed by its fence), and
+each such call follows the redirection to the node that now serves the slot.
+``records()`` and ``purge()`` scan every primary.
 """
 
 from __future__ import annotations
@@ -151,16 +153,16 @@ class RedisClusterStore(RedisStore):
         ]
 
     def _send_batch(
-        self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], follow: bool
+        self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], single: bool
     ) -> list[Any]:
         """One pipeline per node that serves the calls' keys, one node after another.
 
-        A call names keys of one node only (its first key says which). With
-        ``follow``, a call refused with ``MOVED`` or ``ASK`` (its slot moved
-        since the client last read the slot map) did not run; it is sent
-        again alone through the cluster client, which follows the
-        redirection. Without it (a renew-many call, whose other records may
-        not have moved), the refusal is left to the caller.
+        A call names keys of one node only (its first key says which). A
+        ``single`` call (on one record) refused with ``MOVED`` or ``ASK``
+        (its slot moved since the client last read the slot map) did not
+        run; it is sent again alone through the cluster client, which
+        follows the redirection. A renew-many call's refusal (its other
+        records may not have moved) is left to the caller.
         """
         cluster = self._cluster
         by_node: dict[str, list[int]] = {}
@@ -187,7 +189,7 @@ class RedisClusterStore(RedisStore):
                 replies[index] = reply
         for index, reply in enumerate(replies):
             keys, args = calls[index]
-            if follow and (
+            if single and (
                 isinstance(reply, (MovedError, AskError))
                 or (isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")))
             ):

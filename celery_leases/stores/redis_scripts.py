@@ -1,7 +1,8 @@
 """The Lua scripts of the Redis lease store, one per operation.
 
-Every script reads the record through ``load`` (in the prelude), which tells
-a missing record from one that cannot be read: a key of another type, a
+Every script reads the record through ``fields`` (in the prelude; ``load``
+wraps it in a table), which tells a missing record from one that cannot be
+read: a key of another type, a
 missing ``owner``/``generation``/``state``/``lease_until`` field, a state
 that is not ours or a number that is not a whole number. An unreadable
 record is never changed by a script; its own reply code says so.
