@@ -13,6 +13,7 @@ libraries that key their lock on the arguments see distinct jobs.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -190,6 +191,25 @@ def make_app(
 
         task = app.task(bind=True, **options)(runs(bound))
         return app, task
+    elif kind == "relier":
+        # as its README: the worker runs its own app (relier.tasks.app), settings
+        # come from RELIER_* variables, the task is an async function under
+        # @rl_task(idempotent=True, hard_timeout=30) on its "default" queue
+        os.environ["RELIER_REDIS_URL"] = store  # its own state, in the store
+        os.environ["RELIER_LOG_LEVEL"] = "WARNING"  # as the worker's --loglevel
+        from relier import rl_task
+        from relier.tasks.app import celery_app
+
+        # its app takes broker and backend from RELIER_REDIS_URL: point them at ours
+        celery_app.conf.update(broker_url=broker, result_backend=backend)
+
+        @rl_task(idempotent=True, hard_timeout=30, name=TASK_NAME)
+        async def job(n: int) -> int:
+            if work:
+                await asyncio.sleep(work)
+            return n
+
+        return celery_app, celery_app.tasks[TASK_NAME]
     else:
         raise ValueError(f"this benchmark cannot run {kind!r}")
     task = app.task(**options)(body)

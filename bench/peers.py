@@ -22,6 +22,7 @@ per task. It writes the Markdown table and a PNG plot into ``docs/``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -50,10 +51,9 @@ from peer_tasks import GUARANTEE_NAMES, GUARANTEES, KINDS, make_app  # noqa: E40
 
 WORKLOADS = {"trivial": (2000, 0.0), "50ms": (200, 0.05)}
 #: kinds that cannot run in this benchmark, and why (shown in the table)
-NOT_RUN = {
-    "relier": "installs, but runs only under its own worker app (relier.tasks.app) "
-    "with fixed queues and async-first tasks; not wired into this benchmark yet",
-}
+NOT_RUN: dict[str, str] = {}
+#: the queues relier's README has its worker consume; its tasks go to "default"
+RELIER_QUEUES = ("high_priority", "default", "low_priority", "re-queue")
 #: the dash of an empty cell or a range, in the Markdown
 DASH = "\u2013"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -133,6 +133,30 @@ class _Monitor:
         return self.count
 
 
+def _stamps(backend: redis.Redis) -> list[float]:
+    """When each finished task finished (a started task's entry has no date yet)."""
+    metas = backend.mget(list(backend.scan_iter("celery-task-meta-*", count=1000)))
+    done = [json.loads(raw)["date_done"] for raw in metas if raw is not None]
+    return [datetime.fromisoformat(date).timestamp() for date in done if date]
+
+
+def _done(backend: redis.Redis, tasks: int) -> int:
+    """Finished tasks; entries are counted until there are enough, then read."""
+    count = int(backend.dbsize())
+    return count if count < tasks else len(_stamps(backend))
+
+
+async def _apush(task: Any, tasks: int) -> None:
+    """relier's own dispatch, ``apush`` (an admission check and an envelope per task)."""
+    from relier.storage.redis import redis_manager
+
+    try:
+        for n in range(tasks):
+            await task.apush(n)
+    finally:
+        await redis_manager.close()  # its client is bound to this event loop
+
+
 def _run(
     servers: Servers, kind: str, workload: str, pool: str, concurrency: int,
     tasks: int, ttl: float, log_dir: Path, monitor: bool = False, profile: Path | None = None,
@@ -154,9 +178,15 @@ def _run(
         kind, broker=broker_url, backend=backend_url, store=store_url,
         queue=queue, work=work, ttl=ttl,
     )  # fmt: skip
-    with client.producer_or_acquire() as producer:
-        for n in range(tasks):
-            task.apply_async((n,), queue=queue, producer=producer)
+    queues = queue
+    if kind == "relier":  # its own queues, emptied first as their names are fixed
+        queues = ",".join(RELIER_QUEUES)
+        redis.Redis.from_url(broker_url).delete(*RELIER_QUEUES)
+        asyncio.run(_apush(task, tasks))  # one event loop (push starts one per task)
+    else:
+        with client.producer_or_acquire() as producer:
+            for n in range(tasks):
+                task.apply_async((n,), queue=queue, producer=producer)
     client.close()
 
     env = {
@@ -171,7 +201,7 @@ def _run(
         [
             sys.executable, *(("-m", "cProfile", "-o", str(profile)) if profile else ()),
             "-m", "celery", "-A", "peer_tasks", "worker",
-            "--pool", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h",
+            "--pool", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{queue}@%h",
             "--without-mingle", "--without-gossip", "--without-heartbeat",
             "--loglevel", "WARNING", "--logfile", str(log),
         ],
@@ -181,7 +211,7 @@ def _run(
     cpu_first = cpu_last = 0.0
     try:
         deadline = time.monotonic() + 60 + tasks * (work + 0.05)
-        while (done := backend.dbsize()) < tasks:
+        while (done := _done(backend, tasks)) < tasks:
             if done and not cpu_first:
                 cpu_first = _group_cpu_seconds(worker.pid)
             if worker.poll() is not None:
@@ -205,11 +235,7 @@ def _run(
         if name not in ("cmdstat_info", "cmdstat_config", "cmdstat_flushdb", "cmdstat_echo")
         and not name.startswith("cmdstat_monitor")
     )  # fmt: skip
-    stamps = [
-        datetime.fromisoformat(json.loads(raw)["date_done"]).timestamp()
-        for raw in backend.mget(list(backend.scan_iter("celery-task-meta-*", count=1000)))
-        if raw is not None
-    ]
+    stamps = _stamps(backend)
     backend.close()
     store.close()
     seconds = max(stamps) - min(stamps)
