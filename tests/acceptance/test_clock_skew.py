@@ -11,14 +11,18 @@ from celery_leases import LeaseState
 from tests.acceptance.app import WATCH
 from tests.acceptance.conftest import Cluster
 
-TTL = 2.0
+TTL = 4.0
+# renewals well inside the safe duration (3.5 s): a loaded machine that stalls
+# the worker for a second or two must not pass for a clock problem
+RENEW_INTERVAL = 0.5
+RUN = 6.0
 
 
 @pytest.mark.parametrize("skew", [-3600.0, 3600.0], ids=["behind", "ahead"])
 def test_skewed_worker_clock_keeps_lease_on_store_time(cluster: Cluster, skew: float) -> None:
-    cluster.configure(ttl=TTL)
+    cluster.configure(ttl=TTL, renew_interval=RENEW_INTERVAL)
     cluster.worker("a", clock_skew=skew)
-    result = cluster.send(WATCH, 3 * TTL)
+    result = cluster.send(WATCH, RUN)
     (started,) = cluster.side.wait_event(result.id, "start", timeout=30)
     # the worker's wall clock really is off (events carry its time.time())
     assert abs(started["at"] - time.time() - skew) < 60
