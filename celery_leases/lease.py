@@ -245,7 +245,7 @@ class Lease:
         this run's own completion, not a loss.
         """
         if isinstance(result, Refusal):
-            if not self._is_own_completion(result):
+            if not self.is_own_completion(result):
                 self.mark_lost(result.error("renew"))
             return
         with self._lock:
@@ -266,7 +266,9 @@ class Lease:
             except Exception:
                 logger.exception("renewed-lease handler for job %r failed", self.job_id)
 
-    def _is_own_completion(self, refusal: Refusal) -> bool:
+    def is_own_completion(self, refusal: Refusal) -> bool:
+        """Whether ``refusal`` says the job was completed by this very run
+        (this owner and generation): a completion whose reply was lost."""
         return (
             refusal.reason is RefusalReason.COMPLETED
             and refusal.current_owner == self.owner

@@ -9,7 +9,10 @@ event go to the notifier thread.
 :func:`fenced_out` ends a run whose lease is lost or whose completion was
 refused: nothing reaches the result backend, the lease is released if the
 store may still name this run, and the message is published again unless
-the same task id already has its answer.
+the same task id already has its answer from another run. A record that
+names this run's own owner and generation as the completer is this run's
+answer (protocol duty 6); :func:`celery_leases.run_steps.complete` judges
+it first, so a completion whose reply was lost stores its result.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from celery_leases.errors import LeaseLost
 from celery_leases.lease import Lease
 from celery_leases.notify import notify
 from celery_leases.publish import publish_again
-from celery_leases.run_steps import release_after_loss
+from celery_leases.run_steps import UNKNOWN_COMPLETION, release_after_loss
 from celery_leases.settings import OnLost
 from celery_leases.stores.base import RefusalReason
 from celery_leases.worker import in_prefork_child
@@ -79,12 +82,20 @@ def fenced_out(
 ) -> NoReturn:
     reason = reason or "lost"
     signals.lease_fenced_out.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
-    completed = reason == "completed"
-    if reason not in _REFUSALS:
+    # a refusal that names this run as the completer never gets here
+    # (complete() returns Completed for it), so "completed" is another run's
+    answered = reason == "completed"
+    if reason not in _REFUSALS and reason != UNKNOWN_COMPLETION:
         # lost by the local clock or an outage: the store may still name
         # this run, and the next copy need not wait a whole TTL for it
         refusal = release_after_loss(task, lease)
-        completed = refusal is not None and refusal.reason is RefusalReason.COMPLETED
+        # completed by this very run: nobody answered its client yet, and
+        # the copy does, with the outcome kept in the record
+        answered = (
+            refusal is not None
+            and refusal.reason is RefusalReason.COMPLETED
+            and not lease.is_own_completion(refusal)
+        )
     lease.finish()
     if request.is_eager or request.called_directly:
         raise lease.loss or LeaseLost(
@@ -93,7 +104,7 @@ def fenced_out(
             job_id=lease.job_id, owner=lease.owner, generation=lease.generation,
             reason=reason,
         ) from cause  # fmt: skip
-    if not (completed and lease.job_id == request.id):
+    if not (answered and lease.job_id == request.id):
         # unless this task id already has its answer, the job must not be dropped
         publish_again(
             task, request, args, kwargs, job_id=lease.job_id, reason="fenced-out",

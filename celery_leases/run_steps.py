@@ -40,6 +40,7 @@ from celery_leases.stores.base import (
 )
 
 __all__ = [
+    "UNKNOWN_COMPLETION",
     "answer_completed",
     "complete",
     "defer_held",
@@ -52,6 +53,10 @@ __all__ = [
 
 logger = logging.getLogger("celery_leases")
 
+#: the loss reason of a run whose completion the store never confirmed nor
+#: refused; the store was asked again (by a release) before it was given
+UNKNOWN_COMPLETION = "completion-unknown"
+
 
 def outcome_options(task: Any) -> dict[str, Any]:
     """How ``task``'s outcomes are encoded for the lease record."""
@@ -63,7 +68,8 @@ def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult |
     """Complete, retrying an unavailable store until the local deadline.
 
     Returns:
-        The store's answer, or None when the outcome is unknown.
+        The store's answer (a refusal that names this run as the job's
+        completer is :class:`Completed`), or None when the outcome is unknown.
     """
     delay = 0.05
     while True:
@@ -73,18 +79,43 @@ def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult |
             )
         except StoreUnavailable as exc:
             if lease.remaining() <= delay:
-                logger.error(
-                    "could not complete job %r (generation %d): %s; the body ran but "
-                    "the completion is unknown, so the message is published again",
-                    lease.job_id, lease.generation, exc,
-                )  # fmt: skip
-                return None
+                return _settle_completion(task, lease, exc)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
             continue
         if isinstance(result, Completed):
             lease.finish()
         return result
+
+
+def _settle_completion(task: Any, lease: Lease, exc: StoreUnavailable) -> CompleteResult | None:
+    """The deadline came before the store answered a completion: ask it once more.
+
+    The completion may have been applied with its reply lost. A release
+    finds out (protocol duty 6): refused because this very run (owner and
+    generation) completed the job, the run completed; released, it did not.
+
+    Returns:
+        Completed, the store's refusal (another run has the job), or None
+        when the outcome stays unknown (the lease is then released or runs out).
+    """
+    result = _give_up(task, lease, UNKNOWN_COMPLETION)
+    if isinstance(result, Refusal) and lease.is_own_completion(result):
+        lease.finish()
+        logger.warning(
+            "job %r (generation %d): the reply to its completion was lost (%s), and the "
+            "store records this run's completion; its result stands",
+            lease.job_id, lease.generation, exc,
+        )  # fmt: skip
+        return Completed(lease.job_id, lease.generation)
+    if isinstance(result, Refusal):
+        return result
+    logger.error(
+        "could not complete job %r (generation %d): %s; the body ran but the completion "
+        "is unknown, so the message is published again",
+        lease.job_id, lease.generation, exc,
+    )  # fmt: skip
+    return None
 
 
 def release(task: Any, lease: Lease, reason: str) -> bool:
@@ -203,7 +234,7 @@ def reject_poison(
     result = complete(task, lease, encode_error(error, **outcome_options(task)))
     request = task.request
     if result is None:
-        fenced_out(task, lease, request, args, kwargs, "completion-unknown")
+        fenced_out(task, lease, request, args, kwargs, UNKNOWN_COMPLETION)
     if isinstance(result, Refusal):
         fenced_out(task, lease, request, args, kwargs, result.reason.value)
     signals.lease_completed.send(sender=task, lease=lease, job_id=lease.job_id)

@@ -43,6 +43,7 @@ from celery_leases.notify import notify
 from celery_leases.outcome import encode_value
 from celery_leases.publish import DEFERRALS_HEADER
 from celery_leases.run_steps import (
+    UNKNOWN_COMPLETION,
     answer_completed,
     complete,
     defer_held,
@@ -400,7 +401,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             fenced_out(self, lease, request, args, kwargs, lease.lost_reason)
         result = complete(self, lease, encode_value(value, **outcome_options(self)))
         if result is None:
-            fenced_out(self, lease, request, args, kwargs, "completion-unknown")
+            fenced_out(self, lease, request, args, kwargs, UNKNOWN_COMPLETION)
         if isinstance(result, Refusal):
             lease.mark_lost(result.error("complete"))
             fenced_out(self, lease, request, args, kwargs, result.reason.value)

@@ -7,6 +7,7 @@ Put it between a client (a worker's store connection) and a server::
     proxy.heal()            # traffic flows again (new and old connections)
     proxy.drop_next_reply() # the next server reply is swallowed, its connection closed
     proxy.drop_reply_to(b"...")     # the same, for the reply to a request holding these bytes
+    proxy.silence_reply_to(b"...")  # that reply is lost, its connection stays open and silent
     proxy.blackhole_after(b"...")   # forward that request, then black-hole everything
     proxy.refuse()          # close new connections at once (a server that is down)
     proxy.delay(0.5)        # every chunk waits 0.5 s in each direction
@@ -48,6 +49,8 @@ class Proxy:
         self._blackhole_marker: bytes | None = None
         self._refusing = False
         self._marked: set[int] = set()
+        self._silence_marker: bytes | None = None
+        self._silenced: set[int] = set()
         self._blackhole_next = False
         self.dropped_replies = 0
         self._connections: list[tuple[socket.socket, socket.socket]] = []
@@ -84,6 +87,16 @@ class Proxy:
         with self._lock:
             self._drop_marker = marker
 
+    def silence_reply_to(self, marker: bytes) -> None:
+        """Swallow the reply to the next request that contains ``marker``,
+        and every later reply on its connection, which stays open.
+
+        The server applies the request; the client hears nothing and waits
+        its whole socket timeout, while its other connections still pass.
+        """
+        with self._lock:
+            self._silence_marker = marker
+
     def blackhole_after(self, marker: bytes) -> None:
         """Forward the next request that contains ``marker``, then black-hole all."""
         with self._lock:
@@ -103,6 +116,7 @@ class Proxy:
             self._delay = 0.0
             self._drop_replies = 0
             self._drop_marker = None
+            self._silence_marker = None
             self._blackhole_marker = None
 
     def cut(self) -> None:
@@ -176,10 +190,11 @@ class Proxy:
                     blackholed, delay = self._blackholed, self._delay
                     if not replies:
                         self._watch_request(data, pair)
-                    drop = replies and not blackholed and self._take_drop(pair)
+                    silenced = replies and id(pair[0]) in self._silenced
+                    drop = replies and not blackholed and not silenced and self._take_drop(pair)
                     if drop:
                         self.dropped_replies += 1
-                if blackholed:
+                if blackholed or silenced:
                     continue
                 if drop:
                     break
@@ -189,6 +204,8 @@ class Proxy:
         except (OSError, ValueError):
             pass
         finally:
+            with self._lock:
+                self._silenced.discard(id(pair[0]))  # an id is reused once freed
             for sock in pair:
                 with contextlib.suppress(OSError):
                     sock.close()
@@ -198,6 +215,10 @@ class Proxy:
         if self._drop_marker is not None and self._drop_marker in data:
             self._drop_marker = None
             self._marked.add(id(pair[0]))
+        if self._silence_marker is not None and self._silence_marker in data:
+            self._silence_marker = None
+            self._silenced.add(id(pair[0]))
+            self.dropped_replies += 1
         if self._blackhole_marker is not None and self._blackhole_marker in data:
             self._blackhole_marker = None
             self._blackhole_next = True
