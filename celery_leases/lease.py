@@ -17,6 +17,8 @@ holds even while every thread that could notice it is stuck in I/O.
 Once the run is over (its completion accepted, or its lease released)
 :meth:`Lease.finish` is called: a renewal refused after that, for example
 one that was on the wire while the completion went through, is not a loss.
+A lease given up for the run that ``retry()`` or ``replace()`` sent
+(:meth:`Lease.hand_over`) reads as lost to the run that gave it up.
 """
 
 from __future__ import annotations
@@ -178,7 +180,8 @@ class Lease:
 
     @property
     def lost_reason(self) -> str | None:
-        """Why the lease was lost (a ``RefusalReason`` value, ``"deadline"``, ...)."""
+        """Why the lease was lost (a ``RefusalReason`` value, ``"deadline"``,
+        ``"handed-over"``, ...)."""
         return None if self._lost is None else self._lost.reason
 
     def remaining(self) -> float:
@@ -289,6 +292,27 @@ class Lease:
         """
         with self._lock:
             self._finished = True
+
+    def hand_over(self, how: str) -> None:
+        """Note that the run gave the lease up for the run it sent (``how``:
+        ``"retry"``, ``"replaced"``).
+
+        From then on the lease reads as lost to this run (``lost_reason``
+        ``"handed-over"``): ``check()`` raises, fenced writes refuse, and
+        ``remaining()`` is 0. No lost notice goes out: nothing went wrong.
+        """
+        with self._lock:
+            self._finished = True
+            if self._lost is None:
+                self._lost = LeaseLost(
+                    f"the lease on job {self.job_id!r} (generation {self.generation}) was "
+                    f"handed over ({how}) to the run this one sent; this run must not "
+                    "produce effects any more",
+                    job_id=self.job_id,
+                    owner=self.owner,
+                    generation=self.generation,
+                    reason="handed-over",
+                )
 
     @property
     def finished(self) -> bool:

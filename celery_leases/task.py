@@ -258,6 +258,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lease = run.lease
         if lease.lost or not release(self, lease, reason):
             fenced_out(self, lease, request, request.args, request.kwargs, lease.lost_reason)
+        lease.hand_over(reason)  # the next run holds the job: this one reads lost
         run.handed_over = True
 
     def _current_run(self) -> _Run | None:
