@@ -13,8 +13,13 @@ the lease record keeps the send id of the run that holds or completed it:
 - the library's own deferred copy keeps the send id of the message it copies.
 
 Eager and direct calls are always new runs. A message published by a client
-that never imported celery_leases has no send id; it is treated as a
-redelivery of whatever completed the job, as before send ids existed.
+that never imported celery_leases has no send id. It is the same run as the
+completed one only if it carries the task id that completed the job
+(protocol duty 7): under the default key the job id *is* the task id, so
+the claim goes without a send id and any completion of the job answers it;
+under a custom ``lease_key`` the run is named by its task id
+(``"task:<task id>"``), so a redelivery of that message is skipped and a
+message with another task id under the same key is a new run.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from typing import Any
 
 from celery.signals import before_task_publish
 
-__all__ = ["SEND_ID_HEADER", "keeping_send_id", "send_id_of"]
+__all__ = ["SEND_ID_HEADER", "TASK_ID_SEND_PREFIX", "keeping_send_id", "send_id_for", "send_id_of"]
 
 #: message header holding the send id
 SEND_ID_HEADER = "leases_send_id"
+
+#: the send id of a message without one under a custom key: this, then its task id
+TASK_ID_SEND_PREFIX = "task:"
 
 
 class _Local(threading.local):
@@ -73,3 +81,16 @@ def send_id_of(request: Any) -> str | None:
     if value is None:
         value = (request.headers or {}).get(SEND_ID_HEADER)
     return str(value) if value else None
+
+
+def send_id_for(request: Any, job_id: str) -> str | None:
+    """The send id the running delivery claims ``job_id`` with.
+
+    The message's own send id; for a message without one, None under the
+    default key (``job_id`` is its task id) and ``"task:<task id>"`` under a
+    custom key, so only a delivery with the same task id is the same run.
+    """
+    send_id = send_id_of(request)
+    if send_id is None and request.id and job_id != request.id:
+        return f"{TASK_ID_SEND_PREFIX}{request.id}"
+    return send_id

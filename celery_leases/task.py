@@ -59,7 +59,7 @@ from celery_leases.runtime import (
     store_for,
     task_options,
 )
-from celery_leases.sending import send_id_of
+from celery_leases.sending import send_id_for
 from celery_leases.settings import (
     LeaseTiming,
     OnLost,
@@ -303,7 +303,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 owner,
                 options.timing.ttl,
                 task_name=self.name,
-                send_id=send_id_of(request),
+                send_id=send_id_for(request, job_id),
             )
         except StoreUnavailable as exc:
             defer_unavailable(self, request, args, kwargs, job_id, options.defer_max, exc)

@@ -39,6 +39,8 @@ RETRY_ONCE = "acceptance.retry_once"
 PLAIN_STEPS = "acceptance.plain_steps"
 EFFECTS = "acceptance.effects"
 ECHO = "acceptance.echo"
+HEADERS = "acceptance.headers"
+SINGLETON = "acceptance.singleton"
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,27 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         if isinstance(value, (set, frozenset)):
             value = sorted(value)  # a JSON result backend stores lists
         return {"value": value, "deferrals": self.request.get("leases_deferrals")}
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=HEADERS)
+    def headers(self: Any, *names: str) -> dict[str, Any]:
+        """The message headers ``names`` as the body sees them, and the deferrals."""
+        _event(config, self, "start")
+        seen = self.request.headers or {}
+        return {
+            "headers": {name: seen.get(name) for name in names},
+            "attributes": {name: self.request.get(name) for name in names},
+            "deferrals": self.request.get("leases_deferrals"),
+        }
+
+    @celery_app.task(
+        base=LeasedTask, bind=True, shared=False, name=SINGLETON, lease_key="singleton-{key}"
+    )
+    def singleton(self: Any, key: str, value: Any, seconds: float = 0.0) -> Any:
+        """Return ``value`` after ``seconds``; one job per ``key`` (a custom lease_key)."""
+        _event(config, self, "start")
+        _sleep_steps(seconds, 0.05)
+        side_channel(config.side).incr(f"side:done:{self.request.id}")
+        return value
 
     @celery_app.task(bind=True, shared=False, name=PLAIN_STEPS)
     def plain_steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:
