@@ -15,6 +15,9 @@ stops at the first record its node no longer serves; its leases are then
 renewed one call each (a lease renewed twice is allowed by its fence), and
 each such call follows the redirection to the node that now serves the slot.
 ``records()`` and ``purge()`` scan every primary.
+
+``renew_many`` goes through a cluster client of its own, whose per-node pools
+tasks never hold (see :mod:`celery_leases.stores.redis_connections`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from redis.backoff import NoBackoff
+import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
@@ -34,14 +37,14 @@ from redis.exceptions import (
     ResponseError,
     TimeoutError,
 )
-from redis.retry import Retry
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
-from celery_leases.stores.redis import (
-    DEFAULT_SOCKET_TIMEOUT,
-    RENEW_CHUNK,
-    SCAN_BATCH,
-    RedisStore,
+from celery_leases.stores.redis import SCAN_BATCH, RedisStore
+from celery_leases.stores.redis_batches import RENEW_CHUNK, Call
+from celery_leases.stores.redis_connections import (
+    RENEW_CONNECTIONS,
+    check_renew_connections,
+    client_options,
 )
 from celery_leases.stores.redis_replies import _escape_glob, _text, mask_url
 from celery_leases.stores.results import RenewRequest
@@ -52,6 +55,26 @@ __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
+def _open_cluster(url: str, plain_url: str, options: dict[str, Any]) -> RedisCluster:
+    """A cluster client of ``plain_url`` (``url`` without ``+cluster``).
+
+    Raises:
+        LeaseConfigurationError: the URL or an option is invalid.
+        StoreUnavailable: no node of the URL answered.
+    """
+    try:
+        return RedisCluster.from_url(plain_url, **options)
+    except (ValueError, TypeError) as exc:
+        raise LeaseConfigurationError(
+            f"cannot open the Redis Cluster lease store {mask_url(url)!r}: {exc}"
+        ) from exc
+    except (RedisClusterException, RedisError) as exc:
+        raise StoreUnavailable(
+            f"the Redis Cluster at {mask_url(url)} did not answer ({exc}); check that its "
+            "nodes are running and reachable"
+        ) from exc
+
+
 class RedisClusterStore(RedisStore):
     """The Redis store on a cluster; see the module's description.
 
@@ -59,17 +82,30 @@ class RedisClusterStore(RedisStore):
         client: a ``redis.cluster.RedisCluster``.
         prefix: put in front of every key; no ``{`` or ``}``.
         check_config: as for :class:`RedisStore` (one node is asked).
+        renew_client: a second ``RedisCluster`` of the same cluster, for
+            ``renew_many`` alone (:meth:`from_url` makes one); without it
+            renewals share ``client``'s pools with every other call.
     """
 
     def __init__(
-        self, client: RedisCluster, *, prefix: str = "leases:", check_config: bool = True
+        self,
+        client: RedisCluster,
+        *,
+        prefix: str = "leases:",
+        check_config: bool = True,
+        renew_client: RedisCluster | None = None,
     ) -> None:
         if isinstance(prefix, str) and ("{" in prefix or "}" in prefix):
             raise LeaseConfigurationError(
                 f"prefix {prefix!r} has a brace: on a cluster the hash tag must be the job id"
             )
         # RedisCluster answers the commands the store sends as redis.Redis does
-        super().__init__(client, prefix=prefix, check_config=check_config)  # type: ignore[arg-type]
+        super().__init__(
+            client,  # type: ignore[arg-type]
+            prefix=prefix,
+            check_config=check_config,
+            renew_client=client if renew_client is None else renew_client,  # type: ignore[arg-type]
+        )
 
     @classmethod
     def from_url(
@@ -78,11 +114,15 @@ class RedisClusterStore(RedisStore):
         *,
         prefix: str = "leases:",
         check_config: bool = True,
-        **client_options: Any,
+        renew_connections: int = RENEW_CONNECTIONS,
+        **client_options_: Any,
     ) -> RedisClusterStore:
         """Open the store on the cluster that the node at ``url`` belongs to.
 
-        Unlike a single-node store, opening asks that node for the slot map.
+        Unlike a single-node store, opening asks that node for the slot map
+        (twice: once for the task client, once for the renewal client, whose
+        pools hold ``renew_connections`` connections per node;
+        ``max_connections`` sizes the task client's, per node).
 
         Raises:
             LeaseConfigurationError: the URL or an option is invalid.
@@ -94,34 +134,30 @@ class RedisClusterStore(RedisStore):
             raise LeaseConfigurationError(
                 f"{mask_url(url)!r} is not a cluster URL; use redis+cluster://host:port"
             )
-        options: dict[str, Any] = {
-            "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
-            "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
-            # never send a script twice after a lost reply (as RedisStore)
-            "retry": Retry(NoBackoff(), 0),
-            **client_options,
-        }
+        renew_connections = check_renew_connections(renew_connections)
+        options = client_options(client_options_)
+        client = _open_cluster(url, f"{plain}://{rest}", options)
         try:
-            client = RedisCluster.from_url(f"{plain}://{rest}", **options)
-        except (ValueError, TypeError) as exc:
-            raise LeaseConfigurationError(
-                f"cannot open the Redis Cluster lease store {mask_url(url)!r}: {exc}"
-            ) from exc
-        except (RedisClusterException, RedisError) as exc:
-            raise StoreUnavailable(
-                f"the Redis Cluster at {mask_url(url)} did not answer ({exc}); check that its "
-                "nodes are running and reachable"
-            ) from exc
-        store = cls(client, prefix=prefix, check_config=False)
+            renew_client = _open_cluster(
+                url, f"{plain}://{rest}", {**options, "max_connections": renew_connections}
+            )
+        except BaseException:
+            client.close()
+            raise
+        store = cls(client, prefix=prefix, check_config=False, renew_client=renew_client)
         store.url = mask_url(url)
         store._config_pending = check_config
         if check_config:
-            store._check_config()
+            store._check_config(store._client)
         return store
 
     @property
     def _cluster(self) -> RedisCluster:
         return self._client  # type: ignore[return-value]
+
+    @property
+    def _renew_cluster(self) -> RedisCluster:
+        return self._renew_client  # type: ignore[return-value]
 
     def _scan_keys(self) -> Iterator[list[str]]:
         """Batches of record keys under the prefix, primary after primary."""
@@ -144,7 +180,7 @@ class RedisClusterStore(RedisStore):
         """The requests' indexes by the node serving their keys, in chunks."""
         by_node: dict[str, list[int]] = {}
         for index, r in enumerate(requests):
-            node = self._cluster.get_node_from_key(self.key(r.job_id))  # type: ignore[no-untyped-call]
+            node = self._renew_cluster.get_node_from_key(self.key(r.job_id))  # type: ignore[no-untyped-call]
             by_node.setdefault(node.name, []).append(index)
         return [
             indexes[start : start + RENEW_CHUNK]
@@ -153,9 +189,10 @@ class RedisClusterStore(RedisStore):
         ]
 
     def _send_batch(
-        self, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]], single: bool
+        self, client: redis.Redis, sha: str, calls: Sequence[Call], single: bool
     ) -> list[Any]:
-        """One pipeline per node that serves the calls' keys, one node after another.
+        """One pipeline per node that serves the calls' keys, one node after
+        another, on the nodes' pools of ``client`` (a ``RedisCluster``).
 
         A call names keys of one node only (its first key says which). A
         ``single`` call (on one record) refused with ``MOVED`` or ``ASK``
@@ -164,7 +201,7 @@ class RedisClusterStore(RedisStore):
         follows the redirection. A renew-many call's refusal (its other
         records may not have moved) is left to the caller.
         """
-        cluster = self._cluster
+        cluster: RedisCluster = client  # type: ignore[assignment]
         by_node: dict[str, list[int]] = {}
         nodes: dict[str, Any] = {}
         for index, (keys, _) in enumerate(calls):

@@ -1,9 +1,10 @@
 """How the Redis lease store reads what Redis gives back.
 
 A record's hash fields become a :class:`LeaseRecord` (or
-:class:`~celery_leases.errors.LeaseRecordUnreadable`), and a redis-py error is
-judged an outage or a refusal that trying again cannot change. Also the
-password-free descriptions of a server for messages.
+:class:`~celery_leases.errors.LeaseRecordUnreadable`), a fenced script's reply
+becomes a result or a refusal, and a redis-py error is judged an outage or a
+refusal that trying again cannot change. Also the password-free descriptions
+of a server for messages.
 """
 
 from __future__ import annotations
@@ -27,9 +28,18 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
+from celery_leases.stores import redis_scripts as scripts
+from celery_leases.stores.base import (
+    LeaseRecord,
+    LeaseState,
+    Refusal,
+    Renewed,
+    RenewResult,
+    refusal_for,
+    unreadable,
+)
 
-__all__ = ["mask_url"]
+__all__ = ["fenced_reply", "mask_url", "renew_result"]
 
 
 def mask_url(url: str) -> str:
@@ -115,6 +125,38 @@ def _record(job_id: str, raw: Mapping[Any, Any], where: str) -> LeaseRecord:
         )
     except ValueError as exc:  # UnicodeDecodeError and a bad state are ValueErrors
         raise unreadable(job_id, where, str(exc)) from exc
+
+
+def fenced_reply(
+    reply: Any, job_id: str, owner: str, generation: int, where: str
+) -> tuple[list[Any] | None, Refusal | None]:
+    """Split the reply of a fenced script (renew, complete, release) into
+    (done payload, refusal).
+
+    Raises:
+        LeaseRecordUnreadable: the script found the record unreadable.
+        ResponseError: the reply is none of the script's codes.
+    """
+    code = int(reply[0])
+    if code == scripts.DONE:
+        return list(reply[1:]), None
+    if code == scripts.MISSING:
+        return None, refusal_for(None, job_id, owner, generation)
+    if code == scripts.REFUSED:
+        record = _record(job_id, _fields(reply[1]), where)
+        return None, refusal_for(record, job_id, owner, generation)
+    if code == scripts.UNREADABLE:
+        raise unreadable(job_id, where, "found by the script")
+    raise ResponseError(f"unexpected reply {reply!r} from a lease script")
+
+
+def renew_result(reply: Any, job_id: str, owner: str, generation: int, where: str) -> RenewResult:
+    """The result of a renew script's reply; see :func:`fenced_reply`."""
+    done, refusal = fenced_reply(reply, job_id, owner, generation, where)
+    if refusal is not None:
+        return refusal
+    assert done is not None
+    return Renewed(job_id, generation, int(done[0]), int(done[1]))
 
 
 def _permanent(exc: RedisError) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import redis
 from celery import Celery, Task
 
-from celery_leases import LeasedTask, LeaseLost
+from celery_leases import LeasedTask, LeaseLost, StoreUnavailable
 from celery_leases import signals as lease_signals
 
 __all__ = ["AcceptanceConfig", "app", "config_from_env", "make_app"]
@@ -41,6 +42,7 @@ EFFECTS = "acceptance.effects"
 ECHO = "acceptance.echo"
 HEADERS = "acceptance.headers"
 SINGLETON = "acceptance.singleton"
+HOG = "acceptance.hog"
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,33 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         while time.monotonic() < end:
             _event(config, self, "effect")
             time.sleep(step)
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=HOG)
+    def hog(self: Any, seconds: float, threads: int) -> int:
+        """Read the job's record through the worker's store from ``threads``
+        threads, over and over, as that many busy tasks would: the tasks'
+        connections are all in use. Returns how often none was free."""
+        _event(config, self, "start")
+        end = time.monotonic() + seconds
+        store, job_id = self.lease.store, self.request.id
+        full: list[int] = []
+
+        def read() -> None:
+            count = 0
+            while time.monotonic() < end:
+                try:
+                    store.get(job_id)
+                except StoreUnavailable:
+                    count += 1
+                    time.sleep(0.001)
+            full.append(count)
+
+        readers = [threading.Thread(target=read) for _ in range(threads)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        return sum(full)
 
     @celery_app.task(base=LeasedTask, bind=True, shared=False, name=ECHO)
     def echo(self: Any, value: Any) -> dict[str, Any]:

@@ -33,10 +33,10 @@ from celery_leases import (
     StoreUnavailable,
     open_store,
 )
-from celery_leases.stores import redis as redis_store_module
+from celery_leases.stores import redis_batches
 from celery_leases.stores.base import Refusal
 from celery_leases.stores.redis import RedisConfigWarning, RedisStore, mask_url
-from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT
+from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT, Script
 from tests.conftest import serve
 from tests.operations import every_operation
 from tests.servers import RedisServer, free_port
@@ -322,7 +322,7 @@ def test_a_server_that_cannot_compile_the_batch_script_renews_lease_by_lease(
     held = [redis_store.claim(f"job-{i}", "worker-a", 30) for i in range(5)]
     requests = [RenewRequest(h.job_id, "worker-a", h.generation, 40) for h in held]  # type: ignore[union-attr]
     requests[2] = RenewRequest("job-2", "worker-a", 1, 40)  # stale
-    redis_store._renew_many_script = redis_store_module._Script(" " + RENEW_MANY_SCRIPT)
+    redis_store._renew_many_script = Script(" " + RENEW_MANY_SCRIPT)
     for _ in range(2):
         before = commandstats(raw)
         results = redis_store.renew_many(requests)
@@ -684,7 +684,7 @@ def test_renew_many_is_one_round_trip_with_refusals_in_order(
 def test_renew_many_sends_its_chunks_in_one_round_trip(
     redis_server: RedisServer, raw: redis.Redis, unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store_module, "RENEW_CHUNK", 7)
+    monkeypatch.setattr(redis_batches, "RENEW_CHUNK", 7)
     store = RedisStore.from_url(
         redis_server.url, prefix=f"t{unique}:", connection_class=CountingConnection
     )

@@ -1,0 +1,169 @@
+"""The clients of the Redis lease store: how they are made, and the server check.
+
+A store holds two clients of the same server (or Sentinel master, or
+Cluster), each with a connection pool of its own:
+
+- the *task client* sends claims, completions, releases and reads. Its pool
+  is redis-py's, ``max_connections`` (100 by default) per server;
+- the *renewal client* sends ``renew_many``, the heartbeat's one call, from a
+  pool of ``renew_connections`` (:data:`RENEW_CONNECTIONS` by default).
+
+So the heartbeat never waits for a connection that tasks hold: a threads
+worker whose thousand tasks finish at once fills the task pool, and the
+renewals of every lease still go out on their own connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning
+from celery_leases.stores import redis_sentinel
+from celery_leases.stores.redis_replies import _text, mask_url
+
+__all__ = [
+    "DEFAULT_SOCKET_TIMEOUT",
+    "RENEW_CONNECTIONS",
+    "RedisConfigWarning",
+    "check_renew_connections",
+    "client_options",
+    "config_warnings",
+    "open_client",
+    "renewal_client",
+]
+
+logger = logging.getLogger("celery_leases.stores.redis")
+
+#: Default socket timeouts (seconds) of a client made from a URL.
+DEFAULT_SOCKET_TIMEOUT = 5.0
+
+#: Connections of the renewal pool by default: the heartbeat sends at most
+#: two renewal calls to a store at once (one of them may hang until its
+#: socket timeout), and a caller of its own may add some.
+RENEW_CONNECTIONS = 4
+
+
+class RedisConfigWarning(LeaseStoreWarning):
+    """The Redis server is configured in a way that can lose lease records."""
+
+
+def client_options(given: dict[str, Any]) -> dict[str, Any]:
+    """The options of a client made from a URL: ``given`` over the defaults.
+
+    By default socket and connect timeouts are 5 s and commands are never
+    retried: a script whose reply was lost is not sent again (a second
+    complete would be refused as already completed).
+    """
+    return {
+        "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "retry": Retry(NoBackoff(), 0),
+        **given,
+    }
+
+
+def check_renew_connections(value: object) -> int:
+    """``value`` as the size of the renewal pool.
+
+    Raises:
+        LeaseConfigurationError: it is not a whole number of at least 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LeaseConfigurationError(
+            f"renew_connections must be a whole number of at least 1, got {value!r}"
+        )
+    return value
+
+
+def open_client(url: str, options: dict[str, Any]) -> tuple[redis.Redis, Sentinel | None, str]:
+    """The task client of ``url`` (``redis://``, ``rediss://``, ``unix://`` or
+    ``sentinel://...;sentinel://...``), its sentinels, and the URL to show.
+
+    Raises:
+        LeaseConfigurationError: the URL or an option is invalid.
+    """
+    if url.split("://", 1)[0].lower() == redis_sentinel.SENTINEL_SCHEME:
+        client, sentinel = redis_sentinel.sentinel_client(url, options)
+        return client, sentinel, redis_sentinel.mask_sentinel_url(url)
+    try:
+        return redis.Redis.from_url(url, **options), None, mask_url(url)
+    except (ValueError, TypeError) as exc:
+        raise LeaseConfigurationError(
+            f"cannot open the Redis lease store {mask_url(url)!r}: {exc}"
+        ) from exc
+
+
+def renewal_client(client: redis.Redis, connections: int) -> redis.Redis:
+    """A client of the same server as ``client`` with a pool of its own.
+
+    Its connections are made as ``client``'s are (class, address,
+    credentials, timeouts, retry policy, decoding); behind Sentinel they
+    ask the same sentinels for the master. Opening it reaches no server.
+    """
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    if isinstance(pool, SentinelConnectionPool):
+        kwargs.pop("connection_pool", None)  # the task pool's link to the sentinels
+        own: redis.ConnectionPool = SentinelConnectionPool(  # type: ignore[no-untyped-call]
+            pool.service_name,
+            pool.sentinel_manager,
+            connection_class=pool.connection_class,
+            is_master=pool.is_master,
+            check_connection=pool.check_connection,
+            max_connections=connections,
+            **kwargs,
+        )
+    else:
+        own = redis.ConnectionPool(
+            connection_class=pool.connection_class, max_connections=connections, **kwargs
+        )
+    return redis.Redis.from_pool(own)
+
+
+def config_warnings(client: redis.Redis, url: str) -> bool:
+    """Warn with :class:`RedisConfigWarning` when the server can lose lease records.
+
+    Returns:
+        Whether the check is done (False: the server did not answer, ask again later).
+    """
+    try:
+        policy = _config_value(client, "maxmemory-policy")
+        appendonly = _config_value(client, "appendonly")
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+        logger.debug("Redis at %s not reachable; config check deferred", url)
+        return False
+    except RedisError as exc:
+        # managed services often disable or rename CONFIG
+        logger.debug("CONFIG GET refused by Redis at %s (%s); not checked", url, exc)
+        return True
+    if policy is not None and policy != "noeviction":
+        warnings.warn(
+            f"Redis at {url} has maxmemory-policy {policy!r}: when memory runs out "
+            "it may evict lease records, and then a held job can be claimed a second "
+            "time or a completed job run again. Set maxmemory-policy noeviction.",
+            RedisConfigWarning,
+            stacklevel=4,
+        )
+    if appendonly is not None and appendonly != "yes":
+        warnings.warn(
+            f"Redis at {url} has appendonly {appendonly!r}: a restart loses lease "
+            "records written since the last snapshot, and then a held job can be claimed "
+            "a second time or a completed job run again. Set appendonly yes.",
+            RedisConfigWarning,
+            stacklevel=4,
+        )
+    return True
+
+
+def _config_value(client: redis.Redis, name: str) -> str | None:
+    reply = client.config_get(name)
+    values = {_text(k): _text(v) for k, v in reply.items()}
+    return values.get(name)
