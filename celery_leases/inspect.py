@@ -9,9 +9,9 @@ with the time left by the store's clock. That read goes through every
 record in the store (one ``SCAN`` or ``SELECT``): inspect rarely, purge
 often.
 
-Importing this module registers the command (the ``celery`` program imports
-it through the ``celery leases`` entry point, so workers and the ``celery
-inspect`` client both know it).
+Importing this module registers the command. The package imports it, and
+the ``celery`` program imports it through the ``celery leases`` entry point,
+so workers and the ``celery inspect`` client both know it.
 """
 
 from __future__ import annotations

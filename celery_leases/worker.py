@@ -1,7 +1,8 @@
 """Worker integration: CLI options, a bootstep that checks the setup, shutdown.
 
 :func:`install` runs when a :class:`~celery_leases.task.LeasedTask` is
-first bound to an app, so users need not call it, except for one thing:
+first bound to an app (the runtime calls it through the bind hook this
+module registers on import), so users need not call it, except for one thing:
 ``celery worker`` reads extra CLI options right after importing the app,
 before tasks are bound. To use ``--leases-store`` / ``--leases-ttl``, call
 ``celery_leases.install(app)`` in the module that creates the app.
