@@ -7,6 +7,8 @@ completion. Each claim carries a generation number, the fencing token.
 
 from __future__ import annotations
 
+# `celery inspect leases`, also for workers started from Python code
+from celery_leases import inspect as _inspect  # noqa: F401
 from celery_leases import observe as _observe
 from celery_leases import redact as _redact
 from celery_leases.errors import (

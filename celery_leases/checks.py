@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.runtime import forget_runtime, settings_for
 from celery_leases.stores import open_store
+from celery_leases.worker import check_app
 
 __all__ = ["Check", "run_checks"]
 
@@ -37,9 +39,6 @@ class Check:
 
 def run_checks(app: Any) -> list[Check]:
     """Check ``app``'s lease settings, tasks and store; never raises for a finding."""
-    from celery_leases.task import forget_runtime, settings_for
-    from celery_leases.worker import check_app
-
     report: list[Check] = []
     forget_runtime(app)  # read the configuration as it is now
     try:

@@ -39,6 +39,7 @@ from celery_leases.errors import (
     StoreUnavailable,
 )
 from celery_leases.purge import purge_records
+from celery_leases.runtime import settings_for
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 
@@ -108,8 +109,6 @@ def _errors(ctx: click.Context, url: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseStore]:
     """Open the app's lease store; a SQL table is never made by accident."""
-    from celery_leases.task import settings_for
-
     app = _app(ctx)
     with _errors(ctx, str(app.conf.get("leases_store") or "")):
         settings = settings_for(app)

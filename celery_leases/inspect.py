@@ -9,9 +9,9 @@ with the time left by the store's clock. That read goes through every
 record in the store (one ``SCAN`` or ``SELECT``): inspect rarely, purge
 often.
 
-Importing this module registers the command (the ``celery`` program imports
-it through the ``celery leases`` entry point, so workers and the ``celery
-inspect`` client both know it).
+Importing this module registers the command. The package imports it, and
+the ``celery`` program imports it through the ``celery leases`` entry point,
+so workers and the ``celery inspect`` client both know it.
 """
 
 from __future__ import annotations
@@ -23,17 +23,10 @@ from typing import Any
 from celery.worker.control import inspect_command
 
 from celery_leases.errors import LeaseError
-from celery_leases.lease import Lease
+from celery_leases.runtime import process_leases, store_for
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 
 __all__ = ["held_leases", "leases", "process_leases"]
-
-
-def process_leases() -> list[Lease]:
-    """The leases this process holds (the one place that knows where they live)."""
-    from celery_leases.heartbeat import process_heartbeat
-
-    return process_heartbeat().held()
 
 
 def _pool_pids(state: Any) -> list[int]:
@@ -69,8 +62,6 @@ def held_leases(state: Any) -> list[dict[str, Any]]:
 
 
 def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
-    from celery_leases.task import store_for
-
     host = socket.gethostname()
     prefixes = {f"{host}:{pid}:": pid for pid in pids}
     store = store_for(app)

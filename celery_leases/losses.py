@@ -13,6 +13,8 @@ the same task id already has its answer from another run. A record that
 names this run's own owner and generation as the completer is this run's
 answer (protocol duty 6); :func:`celery_leases.run_steps.complete` judges
 it first, so a completion whose reply was lost stores its result.
+:func:`reject_poison` records a poison job as failed, fenced out like any
+run if its completion is refused.
 """
 
 from __future__ import annotations
@@ -25,16 +27,22 @@ from typing import Any, NoReturn
 from celery.exceptions import Ignore
 
 from celery_leases import signals
-from celery_leases.errors import LeaseLost
+from celery_leases.errors import LeaseLost, TakeoverLimitExceeded
 from celery_leases.lease import Lease
 from celery_leases.notify import notify
+from celery_leases.outcome import encode_error
 from celery_leases.publish import publish_again
-from celery_leases.run_steps import UNKNOWN_COMPLETION, release_after_loss
+from celery_leases.run_steps import (
+    UNKNOWN_COMPLETION,
+    complete,
+    outcome_options,
+    release_after_loss,
+)
+from celery_leases.runtime import in_prefork_child
 from celery_leases.settings import OnLost
-from celery_leases.stores.base import RefusalReason
-from celery_leases.worker import in_prefork_child
+from celery_leases.stores.base import Acquired, Refusal, RefusalReason
 
-__all__ = ["fenced_out", "react_to_loss"]
+__all__ = ["fenced_out", "react_to_loss", "reject_poison"]
 
 logger = logging.getLogger("celery_leases")
 
@@ -112,3 +120,37 @@ def fenced_out(
             retry_for=task.lease_options().defer_max, lease=lease,
         )  # fmt: skip
     raise Ignore() from cause
+
+
+def reject_poison(
+    task: Any,
+    lease: Lease,
+    claim: Acquired,
+    limit: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> NoReturn:
+    """Record a poison job as failed without running it."""
+    message = (
+        f"job {claim.job_id!r} of task {task.name!r} took over a run-out lease "
+        f"{claim.takeovers} times (limit {limit}): every worker that ran it died or "
+        "stalled, so it is recorded as failed without running; fix the task, then "
+        "send it with a new id, or raise lease_max_takeovers"
+    )
+    logger.error(message)
+    error = TakeoverLimitExceeded(
+        message,
+        job_id=claim.job_id,
+        owner=claim.owner,
+        generation=claim.generation,
+        takeovers=claim.takeovers,
+        limit=limit,
+    )
+    result = complete(task, lease, encode_error(error, **outcome_options(task)))
+    request = task.request
+    if result is None:
+        fenced_out(task, lease, request, args, kwargs, UNKNOWN_COMPLETION)
+    if isinstance(result, Refusal):
+        fenced_out(task, lease, request, args, kwargs, result.reason.value)
+    signals.lease_completed.send(sender=task, lease=lease, job_id=lease.job_id)
+    raise error

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.runtime import store_for
 from celery_leases.stores.base import MIN_RETENTION, LeaseStore
 
 __all__ = ["PURGE_TASK_NAME", "purge_records", "purge_task", "schedule_purge"]
@@ -59,8 +60,6 @@ def purge_task(app: Any) -> Any:
     @app.task(name=PURGE_TASK_NAME, ignore_result=True, shared=False)  # type: ignore[untyped-decorator]
     def purge(older_than: float) -> int:
         """Delete finished lease records older than ``older_than`` seconds."""
-        from celery_leases.task import store_for
-
         deleted = purge_records(store_for(app), older_than)
         logger.info("purged %d lease records older than %g s", deleted, older_than)
         return deleted

@@ -30,17 +30,17 @@ asks for one of its fixtures:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.lease import Lease
+from celery_leases.runtime import forget_runtime, stop, store_for
 from celery_leases.stores.base import Acquired, LeaseStore
 from celery_leases.stores.memory import ManualClock, MemoryStore
 
@@ -72,16 +72,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="URL",
         help=f"lease store URL for the lease_store fixture (default: ${ENV_STORE} or memory://)",
     )
-
-
-def _runtime() -> tuple[Callable[[Any], LeaseStore], Callable[[Any], None]]:
-    """``store_for`` and ``forget_runtime``: where this process keeps the store."""
-    for name in ("celery_leases.runtime", "celery_leases.task"):
-        with contextlib.suppress(ImportError):
-            module = importlib.import_module(name)
-            if hasattr(module, "store_for") and hasattr(module, "forget_runtime"):
-                return module.store_for, module.forget_runtime
-    raise LeaseConfigurationError("this celery-leases has no per-process store runtime")
 
 
 def _is_lost(lease: Lease) -> bool:
@@ -256,7 +246,6 @@ def lease_store(
     leases_app: Any, lease_store_url: str, lease_clock: ManualClock
 ) -> Iterator[LeaseStore]:
     """Point ``leases_app`` at the test store; yield the store its tasks use."""
-    store_for, forget_runtime = _runtime()
     conf = leases_app.conf
     saved = {key: conf.get(key) for key in ("leases_store", "leases_store_options")}
     options = dict(conf.get("leases_store_options") or {})
@@ -299,10 +288,4 @@ def leases_worker(
         with start_worker(leases_app, **parameters) as worker:
             yield worker
     finally:
-        stop = getattr(importlib.import_module("celery_leases"), "stop", None)
-        if stop is not None:
-            stop()
-        else:
-            from celery_leases.worker import release_held_leases
-
-            release_held_leases()
+        stop()

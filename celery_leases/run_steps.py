@@ -1,9 +1,9 @@
 """The store steps of a leased run that are not its main flow.
 
 Completing and releasing with their retry rules, deferring a message whose
-job is held or whose store is down, answering a redelivery of a completed
-job, and recording a poison job. :mod:`celery_leases.task` calls them; each
-takes the running task as its first argument.
+job is held or whose store is down, and answering a redelivery of a
+completed job. :mod:`celery_leases.task` and :mod:`celery_leases.losses`
+call them; each takes the running task as its first argument.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from celery_leases.errors import (
     TakeoverLimitExceeded,
 )
 from celery_leases.lease import Lease
-from celery_leases.outcome import decode, encode_error
+from celery_leases.outcome import decode
 from celery_leases.publish import deferrals_of, publish_again
 from celery_leases.runtime import settings_for
 from celery_leases.stores.base import (
-    Acquired,
     AlreadyCompleted,
     Completed,
     CompleteResult,
@@ -46,7 +45,6 @@ __all__ = [
     "defer_held",
     "defer_unavailable",
     "outcome_options",
-    "reject_poison",
     "release",
     "release_after_loss",
 ]
@@ -203,42 +201,6 @@ def _stored_state(task: Any, task_id: str | None) -> str | None:
     except Exception:  # a disabled or unreachable backend: use the kept outcome
         return None
     return str(meta.get("status")) if meta else None
-
-
-def reject_poison(
-    task: Any,
-    lease: Lease,
-    claim: Acquired,
-    limit: int,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> NoReturn:
-    """Record a poison job as failed without running it."""
-    message = (
-        f"job {claim.job_id!r} of task {task.name!r} took over a run-out lease "
-        f"{claim.takeovers} times (limit {limit}): every worker that ran it died or "
-        "stalled, so it is recorded as failed without running; fix the task, then "
-        "send it with a new id, or raise lease_max_takeovers"
-    )
-    logger.error(message)
-    error = TakeoverLimitExceeded(
-        message,
-        job_id=claim.job_id,
-        owner=claim.owner,
-        generation=claim.generation,
-        takeovers=claim.takeovers,
-        limit=limit,
-    )
-    from celery_leases.losses import fenced_out  # it releases through this module
-
-    result = complete(task, lease, encode_error(error, **outcome_options(task)))
-    request = task.request
-    if result is None:
-        fenced_out(task, lease, request, args, kwargs, UNKNOWN_COMPLETION)
-    if isinstance(result, Refusal):
-        fenced_out(task, lease, request, args, kwargs, result.reason.value)
-    signals.lease_completed.send(sender=task, lease=lease, job_id=lease.job_id)
-    raise error
 
 
 def defer_held(

@@ -1,23 +1,57 @@
-"""The per-process runtime of an app: its settings, its store, its task options.
+"""The per-process runtime: settings, store, heartbeat, held leases, forks.
 
-One owner for what a worker process keeps between runs. It is made anew in
-a forked child (a child must not share the parent's sockets), and
-:func:`stop` is the supported way to end this process's lease threads (for
-test suites that check for lingering threads, and at shutdown).
+One owner for what a worker process keeps between runs: each app's
+settings, store and resolved task options (made anew in a forked child,
+which must not share the parent's sockets), the heartbeat and the leases it
+holds, whether this process is a prefork pool child, releasing what it
+holds, and :func:`stop`, the supported way to end this process's lease
+threads (for test suites that check for lingering threads, and at shutdown).
+
+The run (:mod:`celery_leases.task`) and the worker integration
+(:mod:`celery_leases.worker`) sit above it and use it; it imports neither.
+A :class:`~celery_leases.task.LeasedTask` bound to an app calls
+:func:`app_bound`, and the worker integration, imported by the package,
+registers its ``install`` with :func:`add_bind_hook`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import billiard.process
+
+from celery_leases import events
+from celery_leases.errors import LeaseLost, StoreUnavailable
+from celery_leases.heartbeat import process_heartbeat
+from celery_leases.lease import Lease
+from celery_leases.notify import process_notifier
 from celery_leases.settings import LeaseSettings, LeaseTiming, OnLost
 from celery_leases.stores import LeaseStore, open_store
+from celery_leases.stores.base import Released
 
-__all__ = ["TaskOptions", "forget_runtime", "settings_for", "stop", "store_for", "task_options"]
+__all__ = [
+    "TaskOptions",
+    "add_bind_hook",
+    "app_bound",
+    "forget_runtime",
+    "in_prefork_child",
+    "on_process_init",
+    "process_heartbeat",
+    "process_leases",
+    "release_held_leases",
+    "settings_for",
+    "stop",
+    "store_for",
+    "task_options",
+]
+
+logger = logging.getLogger("celery_leases")
 
 
 @dataclass(frozen=True)
@@ -45,6 +79,10 @@ class _Runtime:
 
 _runtimes: weakref.WeakKeyDictionary[Any, _Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_prefork_child_pid: int | None = None
+#: called with every app a leased task is bound to (the worker's ``install``)
+_bind_hooks: list[Callable[[Any], None]] = []
+_bound_apps: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _runtime(app: Any) -> _Runtime:
@@ -103,6 +141,77 @@ def forget_runtime(app: Any) -> None:
         runtime.store.close()
 
 
+def in_prefork_child() -> bool:
+    """Whether this process is a prefork pool child (stopping it is safe)."""
+    return _prefork_child_pid == os.getpid()
+
+
+def on_process_init(**_: Any) -> None:
+    """Note whether this process is a prefork pool child (``worker_process_init``)."""
+    global _prefork_child_pid
+    # the solo pool sends this signal in the worker's own process: stopping
+    # that one would stop the whole worker, so only a forked child counts
+    if billiard.process.current_process().name != "MainProcess":
+        _prefork_child_pid = os.getpid()
+
+
+def release_held_leases(reason: str = "shutdown") -> int:
+    """Mark lost and release every lease this process still holds; stop the heartbeat.
+
+    Returns:
+        How many leases were released in the store.
+    """
+    heartbeat = process_heartbeat()
+    released = 0
+    for lease in heartbeat.held():
+        heartbeat.remove(lease)
+        lease.mark_lost(
+            LeaseLost(
+                f"the worker is shutting down while job {lease.job_id!r} (generation "
+                f"{lease.generation}) still runs; its lease is released",
+                job_id=lease.job_id,
+                owner=lease.owner,
+                generation=lease.generation,
+                reason=reason,
+            )
+        )
+        try:
+            result = lease.store.release(lease.job_id, lease.owner, lease.generation)
+        except StoreUnavailable as exc:
+            logger.warning("could not release job %r on %s: %s", lease.job_id, reason, exc)
+            continue
+        released += isinstance(result, Released)
+    heartbeat.stop()
+    return released
+
+
+def process_leases() -> list[Lease]:
+    """The leases this process holds (the one place that knows where they live)."""
+    return process_heartbeat().held()
+
+
+def add_bind_hook(hook: Callable[[Any], None]) -> None:
+    """Call ``hook(app)`` for every app a leased task is bound to, past and future.
+
+    The worker integration registers its ``install`` here when it is
+    imported, so binding a task needs no import of the layer above.
+    """
+    with _lock:
+        _bind_hooks.append(hook)
+        apps = list(_bound_apps)
+    for app in apps:
+        hook(app)
+
+
+def app_bound(app: Any) -> None:
+    """Note that a leased task was bound to ``app``: run the bind hooks for it."""
+    with _lock:
+        _bound_apps.add(app)
+        hooks = list(_bind_hooks)
+    for hook in hooks:
+        hook(app)
+
+
 def stop() -> int:
     """Release the leases this process holds and stop its lease threads.
 
@@ -113,10 +222,6 @@ def stop() -> int:
     Returns:
         How many leases were released in the store.
     """
-    from celery_leases import events
-    from celery_leases.notify import process_notifier
-    from celery_leases.worker import release_held_leases
-
     released = release_held_leases("stopped")
     process_notifier().stop()  # its last notices may queue events
     events.stop()

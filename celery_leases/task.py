@@ -38,7 +38,7 @@ from celery_leases import signals
 from celery_leases.errors import LeaseConfigurationError, LeaseError, LeaseLost, StoreUnavailable
 from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease, make_owner
-from celery_leases.losses import fenced_out, react_to_loss
+from celery_leases.losses import fenced_out, react_to_loss, reject_poison
 from celery_leases.notify import notify
 from celery_leases.outcome import encode_value
 from celery_leases.publish import DEFERRALS_HEADER
@@ -49,11 +49,11 @@ from celery_leases.run_steps import (
     defer_held,
     defer_unavailable,
     outcome_options,
-    reject_poison,
     release,
 )
 from celery_leases.runtime import (
     TaskOptions,
+    app_bound,
     forget_runtime,
     settings_for,
     store_for,
@@ -68,7 +68,6 @@ from celery_leases.settings import (
     check_on_lost,
 )
 from celery_leases.stores.base import Acquired, AlreadyCompleted, HeldElsewhere, Refusal
-from celery_leases.worker import install
 
 __all__ = ["DEFERRALS_HEADER", "LeasedTask", "forget_runtime", "settings_for", "store_for"]
 
@@ -131,7 +130,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        install(app)
+        app_bound(app)  # the worker integration installs its bootstep on this
 
     # -- what task code uses -------------------------------------------------
 

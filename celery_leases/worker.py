@@ -1,7 +1,8 @@
 """Worker integration: CLI options, a bootstep that checks the setup, shutdown.
 
 :func:`install` runs when a :class:`~celery_leases.task.LeasedTask` is
-first bound to an app, so users need not call it, except for one thing:
+first bound to an app (the runtime calls it through the bind hook this
+module registers on import), so users need not call it, except for one thing:
 ``celery worker`` reads extra CLI options right after importing the app,
 before tasks are bound. To use ``--leases-store`` / ``--leases-ttl``, call
 ``celery_leases.install(app)`` in the module that creates the app.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import threading
 import weakref
@@ -31,15 +31,23 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import billiard.process
 from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
-from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.metrics import install_metrics
+from celery_leases.runtime import (
+    add_bind_hook,
+    forget_runtime,
+    in_prefork_child,
+    on_process_init,
+    release_held_leases,
+    settings_for,
+)
 from celery_leases.settings import LeaseSettings, check_defer_max
 from celery_leases.stores import open_store
-from celery_leases.stores.base import Released
+from celery_leases.task import LeasedTask
 
 __all__ = [
     "STORE_CHECK_TIMEOUT",
@@ -64,7 +72,6 @@ STORE_CHECK_TIMEOUT = 10.0
 _SECRET_KEY = re.compile(r"pass|secret|token|credential", re.IGNORECASE)
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
-_prefork_child_pid: int | None = None
 
 
 def install(app: Any) -> None:
@@ -90,65 +97,16 @@ def install(app: Any) -> None:
         )
     )
     app.steps["worker"].add(LeasesStep)
-    worker_process_init.connect(_on_process_init, weak=False, dispatch_uid="celery_leases.init")
+    worker_process_init.connect(on_process_init, weak=False, dispatch_uid="celery_leases.init")
     worker_process_shutdown.connect(
         _on_shutdown, weak=False, dispatch_uid="celery_leases.process_shutdown"
     )
     worker_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="celery_leases.shutdown")
-    # `celery inspect leases` for workers started from Python code too
-    import celery_leases.inspect  # noqa: F401
-    from celery_leases.metrics import install_metrics
-
     install_metrics(app, required=False)
-
-
-def in_prefork_child() -> bool:
-    """Whether this process is a prefork pool child (stopping it is safe)."""
-    return _prefork_child_pid == os.getpid()
-
-
-def _on_process_init(**_: Any) -> None:
-    global _prefork_child_pid
-    # the solo pool sends this signal in the worker's own process: stopping
-    # that one would stop the whole worker, so only a forked child counts
-    if billiard.process.current_process().name != "MainProcess":
-        _prefork_child_pid = os.getpid()
 
 
 def _on_shutdown(**_: Any) -> None:
     release_held_leases("shutdown")
-
-
-def release_held_leases(reason: str = "shutdown") -> int:
-    """Mark lost and release every lease this process still holds; stop the heartbeat.
-
-    Returns:
-        How many leases were released in the store.
-    """
-    from celery_leases.heartbeat import process_heartbeat
-
-    heartbeat = process_heartbeat()
-    released = 0
-    for lease in heartbeat.held():
-        heartbeat.remove(lease)
-        lease.mark_lost(
-            LeaseLost(
-                f"the worker is shutting down while job {lease.job_id!r} (generation "
-                f"{lease.generation}) still runs; its lease is released",
-                job_id=lease.job_id,
-                owner=lease.owner,
-                generation=lease.generation,
-                reason=reason,
-            )
-        )
-        try:
-            result = lease.store.release(lease.job_id, lease.owner, lease.generation)
-        except StoreUnavailable as exc:
-            logger.warning("could not release job %r on %s: %s", lease.job_id, reason, exc)
-            continue
-        released += isinstance(result, Released)
-    heartbeat.stop()
-    return released
 
 
 class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints
@@ -168,8 +126,6 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
         **kwargs: Any,
     ) -> None:
         super().__init__(parent, **kwargs)
-        from celery_leases.task import forget_runtime
-
         app = parent.app
         if leases_store is not None:
             app.conf.leases_store = leases_store
@@ -196,8 +152,6 @@ def check_app(app: Any, *, pool: str = "", store_timeout: float = STORE_CHECK_TI
         LeaseConfigurationError: a setting or a task cannot work; the message
             says what to change.
     """
-    from celery_leases.task import LeasedTask, settings_for
-
     settings = settings_for(app)
     warnings: list[str] = []
     store_warning = check_store(settings, timeout=store_timeout)
@@ -352,3 +306,7 @@ def _visibility_timeout(app: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+# a LeasedTask bound to an app installs this module's options and bootstep
+add_bind_hook(install)
