@@ -39,6 +39,7 @@ from celery_leases.errors import (
     LeaseStoreWarning,
     StoreUnavailable,
 )
+from celery_leases.redact import mask
 from celery_leases.stores import redis_scripts as scripts
 from celery_leases.stores import redis_sentinel
 from celery_leases.stores.base import (
@@ -69,10 +70,9 @@ from celery_leases.stores.redis_replies import (
     _permanent,
     _record,
     _text,
-    mask_url,
 )
 
-__all__ = ["RedisConfigWarning", "RedisStore", "mask_url"]
+__all__ = ["RedisConfigWarning", "RedisStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,15 +228,15 @@ class RedisStore(LeaseStore):
         sentinel = None
         if url.split("://", 1)[0].lower() == redis_sentinel.SENTINEL_SCHEME:
             client, sentinel = redis_sentinel.sentinel_client(url, options)
-            shown = redis_sentinel.mask_sentinel_url(url)
+            shown = mask(url)
         else:
             try:
                 client = redis.Redis.from_url(url, **options)
             except (ValueError, TypeError) as exc:
                 raise LeaseConfigurationError(
-                    f"cannot open the Redis lease store {mask_url(url)!r}: {exc}"
+                    f"cannot open the Redis lease store {mask(url)!r}: {exc}"
                 ) from exc
-            shown = mask_url(url)
+            shown = mask(url)
         store = cls(client, prefix=prefix, check_config=False)
         store.url = shown
         store._sentinel = sentinel

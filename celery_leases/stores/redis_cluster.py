@@ -37,13 +37,14 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.redact import mask
 from celery_leases.stores.redis import (
     DEFAULT_SOCKET_TIMEOUT,
     RENEW_CHUNK,
     SCAN_BATCH,
     RedisStore,
 )
-from celery_leases.stores.redis_replies import _escape_glob, _text, mask_url
+from celery_leases.stores.redis_replies import _escape_glob, _text
 from celery_leases.stores.results import RenewRequest
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
@@ -92,7 +93,7 @@ class RedisClusterStore(RedisStore):
         plain = CLUSTER_SCHEMES.get(scheme.lower())
         if plain is None:
             raise LeaseConfigurationError(
-                f"{mask_url(url)!r} is not a cluster URL; use redis+cluster://host:port"
+                f"{mask(url)!r} is not a cluster URL; use redis+cluster://host:port"
             )
         options: dict[str, Any] = {
             "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
@@ -105,15 +106,15 @@ class RedisClusterStore(RedisStore):
             client = RedisCluster.from_url(f"{plain}://{rest}", **options)
         except (ValueError, TypeError) as exc:
             raise LeaseConfigurationError(
-                f"cannot open the Redis Cluster lease store {mask_url(url)!r}: {exc}"
+                f"cannot open the Redis Cluster lease store {mask(url)!r}: {exc}"
             ) from exc
         except (RedisClusterException, RedisError) as exc:
             raise StoreUnavailable(
-                f"the Redis Cluster at {mask_url(url)} did not answer ({exc}); check that its "
+                f"the Redis Cluster at {mask(url)} did not answer ({exc}); check that its "
                 "nodes are running and reachable"
             ) from exc
         store = cls(client, prefix=prefix, check_config=False)
-        store.url = mask_url(url)
+        store.url = mask(url)
         store._config_pending = check_config
         if check_config:
             store._check_config()
