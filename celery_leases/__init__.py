@@ -7,10 +7,11 @@ completion. Each claim carries a generation number, the fencing token.
 
 from __future__ import annotations
 
+from celery_leases import censor as _censor
+
 # `celery inspect leases`, also for workers started from Python code
 from celery_leases import inspect as _inspect  # noqa: F401
 from celery_leases import observe as _observe
-from celery_leases import redact as _redact
 from celery_leases.errors import (
     LeaseConfigurationError,
     LeaseError,
@@ -44,7 +45,7 @@ from celery_leases.task import LeasedTask
 from celery_leases.worker import install
 
 _observe.connect()
-_redact.install_settings_filter()
+_censor.install_settings_filter()
 
 __version__ = "0.1.0"
 

@@ -32,13 +32,14 @@ from celery.bin.base import CeleryCommand
 
 from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery inspect leases`
 from celery_leases.checks import run_checks
-from celery_leases.display import parse_duration, record_to_dict, scrub, short_time, table
+from celery_leases.display import parse_duration, record_to_dict, short_time, table
 from celery_leases.errors import (
     LeaseConfigurationError,
     LeaseStoreWarning,
     StoreUnavailable,
 )
 from celery_leases.purge import purge_records
+from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import settings_for
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import LeaseState, ms_to_datetime
@@ -97,9 +98,9 @@ def _errors(ctx: click.Context, url: str) -> Iterator[None]:
     try:
         yield
     except StoreUnavailable as exc:
-        _fail(ctx, EXIT_UNAVAILABLE, scrub(str(exc), url))
+        _fail(ctx, EXIT_UNAVAILABLE, mask(str(exc), secrets=secrets_of(url)))
     except LeaseConfigurationError as exc:
-        message = scrub(str(exc), url)
+        message = mask(str(exc), secrets=secrets_of(url))
         sql = url.split("://", 1)[0].lower() in _SQL_SCHEMES
         if sql and "table" in message and "init-db" not in ctx.command_path:
             message += " A new database needs its table first: celery leases init-db."
@@ -331,8 +332,10 @@ def check_command(ctx: click.Context, as_json: bool) -> None:
     app = _app(ctx)
     url = str(app.conf.get("leases_store") or "")
     report = run_checks(app)
+    secrets = secrets_of(url)
     results = [
-        {"check": c.name, "status": c.status, "detail": scrub(c.detail, url)} for c in report
+        {"check": c.name, "status": c.status, "detail": mask(c.detail, secrets=secrets)}
+        for c in report
     ]
     if as_json:
         _emit_json({"ok": all(c.status == "ok" for c in report), "checks": results})

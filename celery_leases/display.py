@@ -1,20 +1,19 @@
 """How lease records are shown to people and scripts.
 
-Durations people type, the JSON view of a record, plain text tables, and
-passwords scrubbed from anything printed.
+Durations people type, the JSON view of a record and plain text tables
+(:func:`celery_leases.redact.mask` keeps passwords out of what is printed).
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
 
 import click
 
 from celery_leases.stores.base import LeaseRecord, LeaseState, ms_to_datetime
 
-__all__ = ["parse_duration", "record_to_dict", "scrub", "short_time", "table"]
+__all__ = ["parse_duration", "record_to_dict", "short_time", "table"]
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -29,22 +28,6 @@ def parse_duration(text: str) -> float:
     if match is None:
         raise click.BadParameter(f"{text!r} is not a duration; use e.g. 3600, 90m, 12h or 7d")
     return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def scrub(text: str, url: str) -> str:
-    """``text`` with the password of ``url`` (plain or quoted) replaced by ``***``."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    for name, value in re.findall(r"(?i)[?&](password)=([^&#]+)", url):
-        del name
-        text = text.replace(value, "***")
-    if password:
-        plain = unquote(password)
-        for form in sorted({password, plain, quote(plain, safe="")}, key=len, reverse=True):
-            text = text.replace(form, "***")
-    return text
 
 
 def record_to_dict(record: LeaseRecord, store_now_ms: int) -> dict[str, Any]:

@@ -6,7 +6,9 @@ waiting forever: the redelivered copy finds the job completed and must not
 run it again. So the completion keeps the run's outcome in the lease record,
 encoded with the app's result serializer, up to ``leases_result_max_bytes``;
 the copy hands it to Celery as its own return value (or raises the recorded
-error).
+error). It is decoded only with the result serializer (or one that
+``result_accept_content`` names): the serializers ``accept_content`` allows
+for messages never decode a record.
 
 The stored bytes are ``content_type``, a newline, ``content_encoding``, a
 newline, then the serialized ``[kind, value]`` pair, where kind is ``"ok"``
@@ -21,6 +23,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from kombu.serialization import dumps, loads, prepare_accept_content
+
+from celery_leases.errors import LeaseRecordUnreadable
 
 __all__ = ["Outcome", "decode", "encode_error", "encode_value"]
 
@@ -81,25 +85,60 @@ def _plain_json(outcome: Outcome) -> bytes | None:
         return None
 
 
-def decode(payload: bytes, *, accept: Iterable[str] | None) -> Outcome:
+def decode(
+    payload: bytes,
+    *,
+    serializer: str,
+    accept: Iterable[str] | None = None,
+    job_id: str | None = None,
+) -> Outcome:
     """Decode what :func:`encode_value` or :func:`encode_error` made.
 
-    ``accept`` names the serializers (or content types) allowed, as in
-    Celery's ``accept_content``; None allows any.
+    Only the app's ``result_serializer`` and the serializers (or content
+    types) of its ``result_accept_content`` decode an outcome. A record is
+    data anyone who can write to the store could have planted, so the
+    message serializers of ``accept_content`` do not count: an app with
+    JSON results that also accepts pickle messages must never unpickle a
+    record. Any other content type is refused before a decoder sees it.
 
     Raises:
-        ValueError: the payload is not an outcome this module wrote.
+        LeaseRecordUnreadable: the payload is not an outcome this app could
+            have written (a content type it does not use for results, or
+            bytes that do not decode).
     """
+    allowed = prepare_accept_content([serializer, *(accept or ())])  # type: ignore[no-untyped-call]
     try:
-        content_type, encoding, body = payload.split(b"\n", 2)
+        raw_type, raw_encoding, body = payload.split(b"\n", 2)
+        content_type, encoding = raw_type.decode(), raw_encoding.decode()
+    except ValueError:
+        raise LeaseRecordUnreadable(
+            f"the outcome kept in the lease record of job {job_id!r} is not an outcome "
+            "celery-leases wrote; delete the record (celery leases purge or release) after "
+            "checking who writes to the lease store",
+            job_id=job_id,
+        ) from None
+    if content_type not in allowed:
+        raise LeaseRecordUnreadable(
+            f"the outcome kept in the lease record of job {job_id!r} has the content type "
+            f"{content_type[:80]!r}, which is not the result serializer {serializer!r} nor in "
+            "result_accept_content: it was not decoded. Something other than this app wrote "
+            "it; check who writes to the lease store, or add the serializer to "
+            "result_accept_content if this app really stores such results",
+            job_id=job_id,
+        )
+    try:
         kind, value = loads(  # type: ignore[no-untyped-call]
-            body,
-            content_type.decode(),
-            encoding.decode(),
-            accept=None if accept is None else prepare_accept_content(accept),  # type: ignore[no-untyped-call]
+            body, content_type, encoding, accept=allowed
         )
     except Exception as exc:
-        raise ValueError(f"unreadable outcome in the lease record: {exc!r}") from exc
+        raise LeaseRecordUnreadable(
+            f"the outcome kept in the lease record of job {job_id!r} does not decode as "
+            f"{content_type!r}: {exc!r}",
+            job_id=job_id,
+        ) from exc
     if kind not in ("ok", "error"):
-        raise ValueError(f"unknown outcome kind {kind!r} in the lease record")
+        raise LeaseRecordUnreadable(
+            f"unknown outcome kind {kind!r} in the lease record of job {job_id!r}",
+            job_id=job_id,
+        )
     return str(kind), value

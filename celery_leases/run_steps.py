@@ -159,6 +159,8 @@ def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
     Raises:
         Ignore: the backend has the result already, or results are ignored.
         ResultUnavailable: the result can be found nowhere.
+        LeaseRecordUnreadable: the kept outcome is not one this app's result
+            serializer wrote (it is never decoded).
     """
     signals.lease_skipped.send(
         sender=task, lease=None, job_id=claim.job_id, generation=claim.generation,
@@ -170,8 +172,12 @@ def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
     outcome = getattr(claim, "outcome", None)
     if outcome is not None:
         app = task._get_app()
-        accept = app.conf.result_accept_content or app.conf.accept_content
-        kind, value = decode(outcome, accept=accept)
+        kind, value = decode(
+            outcome,
+            serializer=app.conf.result_serializer,
+            accept=app.conf.result_accept_content,
+            job_id=claim.job_id,
+        )
         logger.info(
             "task %s[%s]: job %r was completed by generation %d; answering with the "
             "outcome kept in its lease record",

@@ -29,12 +29,14 @@ raised into the task's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.redact import mask_settings, secrets_of
 
 # the longest lease ttl: one constant for the settings and the stores
 from celery_leases.stores.checks import MAX_TTL
@@ -187,6 +189,16 @@ class LeaseSettings:
             )
         check_result_max_bytes(self.result_max_bytes, "leases_result_max_bytes")
         self.timing()
+
+    def __repr__(self) -> str:
+        # error trackers (Sentry records local variables) and debug logs show
+        # settings: the store's password must not be in what they show
+        secrets = secrets_of(self.store_url, self.store_options)
+        shown = ", ".join(
+            f"{f.name}={mask_settings(getattr(self, f.name), secrets=secrets)!r}"
+            for f in dataclasses.fields(self)
+        )
+        return f"{type(self).__name__}({shown})"
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> LeaseSettings:

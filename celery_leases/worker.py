@@ -22,14 +22,10 @@ nothing is held by then.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import re
 import threading
 import weakref
-from collections.abc import Mapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from celery import bootsteps
 from celery.bin.base import CeleryOption
@@ -37,6 +33,7 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.metrics import install_metrics
+from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import (
     add_bind_hook,
     forget_runtime,
@@ -67,9 +64,6 @@ _VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs", "sentinel")
 #: seconds the start check waits for the store. Above the Redis store's own
 #: 5 s socket timeouts, so their clearer StoreUnavailable arrives first.
 STORE_CHECK_TIMEOUT = 10.0
-
-#: store option names whose values are secrets
-_SECRET_KEY = re.compile(r"pass|secret|token|credential", re.IGNORECASE)
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -246,7 +240,7 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
     thread = threading.Thread(target=ask, name="celery-leases-store-check", daemon=True)
     thread.start()
     thread.join(timeout)
-    secrets = _secrets(settings)
+    secrets = secrets_of(settings.store_url, settings.store_options)
     if not outcome:
         return (
             f"the lease store did not answer within {timeout:g} s; leased tasks are "
@@ -256,13 +250,13 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
     if error is None:
         return None
     if isinstance(error, StoreUnavailable):
-        return _redact(
+        return mask(
             f"the lease store cannot be reached now ({error}); leased tasks are deferred "
             "until it can",
-            secrets,
+            secrets=secrets,
         )
     if isinstance(error, LeaseConfigurationError):
-        message = _redact(str(error), secrets)
+        message = mask(str(error), secrets=secrets)
         # a message that had to be cleaned must not come back in a traceback
         cause = error if message == str(error) else None
         raise LeaseConfigurationError(
@@ -270,30 +264,6 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
             "leases_store_options (or --leases-store)"
         ) from cause
     raise error
-
-
-def _secrets(settings: LeaseSettings) -> list[str]:
-    """Passwords that a store message must not show: the URL's, and option values."""
-    found: list[str] = []
-    with contextlib.suppress(ValueError):
-        password = urlsplit(settings.store_url).password
-        if password:
-            found += [password, unquote(password)]
-    stack: list[Mapping[str, Any]] = [settings.store_options]
-    while stack:
-        for key, value in stack.pop().items():
-            if isinstance(value, Mapping):
-                stack.append(value)
-            elif isinstance(value, str) and _SECRET_KEY.search(str(key)):
-                found.append(value)
-    # a one- or two-letter secret would blank out ordinary words
-    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
-
-
-def _redact(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
 
 
 def _visibility_timeout(app: Any) -> float | None:

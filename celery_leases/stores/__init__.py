@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.base import LeaseStore
-from celery_leases.stores.checks import hide_password
 
 __all__ = ["LeaseStore", "open_store"]
 
@@ -47,7 +47,7 @@ def open_store(url: str, **options: Any) -> LeaseStore:
     """
     if not isinstance(url, str) or "://" not in url:
         raise LeaseConfigurationError(
-            f"lease store URL {hide_password(url) if isinstance(url, str) else url!r} "
+            f"lease store URL {mask(url) if isinstance(url, str) else url!r} "
             "is not a URL; use redis://host:6379/0, "
             "postgresql+psycopg://user@host/db, sqlite:///path/to/file.db or memory://"
         )
@@ -65,8 +65,8 @@ def open_store(url: str, **options: Any) -> LeaseStore:
     except (UnicodeError, ValueError) as exc:
         # a malformed host or port the driver's URL parser rejects
         raise LeaseConfigurationError(
-            f"the lease store URL {hide_password(url)!r} cannot be used: "
-            f"{hide_password(str(exc))}; check its host and port"
+            f"the lease store URL {mask(url)!r} cannot be used: "
+            f"{mask(str(exc), secrets=secrets_of(url))}; check its host and port"
         ) from None
 
 
@@ -96,7 +96,7 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
             ) from exc
         return SqlStore.from_url(url, **options)
     raise LeaseConfigurationError(
-        f"unknown lease store scheme {scheme!r} in {hide_password(url)!r}; use one of "
+        f"unknown lease store scheme {scheme!r} in {mask(url)!r}; use one of "
         "redis://, rediss://, unix://, sentinel://, redis+cluster://, "
         "postgresql+psycopg://, sqlite:///, memory://"
     )

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from celery_leases.errors import LeaseConfigurationError, LeaseRecordUnreadable
+from celery_leases.redact import mask
 from celery_leases.stores.checks import (
     MAX_OUTCOME_BYTES,
     MAX_TTL,
@@ -121,6 +122,9 @@ class LeaseStore(abc.ABC):
 
     #: the URL scheme(s) this store was opened from, for messages
     url: str = ""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {mask(self.url)}>"
 
     # -- public API ---------------------------------------------------------
 

@@ -9,7 +9,6 @@ driver error, or be stored cut short).
 from __future__ import annotations
 
 import math
-import re
 
 from celery_leases.errors import LeaseConfigurationError
 
@@ -26,7 +25,6 @@ __all__ = [
     "check_owner",
     "check_retention",
     "check_text",
-    "hide_password",
     "ttl_to_ms",
 ]
 
@@ -165,17 +163,3 @@ def check_retention(older_than: object) -> int:
         )
     # beyond a century nothing is old enough; keep the number a 64-bit integer
     return round(min(older_than, 100 * 365 * 86400.0) * 1000)
-
-
-_USERINFO_PASSWORD = re.compile(r"""((?:[A-Za-z][\w+.-]*://)?[^\s:/?#@'"]*:)[^\s@/?#'"]*@""")
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
-
-
-def hide_password(url: str) -> str:
-    """``url`` with a password in it (``user:password@``, ``password=``) as ``***``.
-
-    For messages about a URL that may not even parse, so it works on the text
-    (also on a driver's message that quotes the URL).
-    """
-    masked = _USERINFO_PASSWORD.sub(r"\1***@", url)
-    return _QUERY_PASSWORD.sub(r"\1***", masked)

@@ -21,7 +21,10 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 from redis.sentinel import Sentinel
 
-from celery_leases.errors import LeaseConfigurationError, LeaseRecordUnreadable
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseRecordUnreadable,
+)
 from celery_leases.stores import redis_scripts as scripts
 from celery_leases.stores.base import (
     Acquired,
@@ -58,7 +61,6 @@ from celery_leases.stores.redis_replies import (
     _record,
     _text,
     fenced_reply,
-    mask_url,
     renew_result,
 )
 from celery_leases.stores.redis_scripts import Script
@@ -70,7 +72,6 @@ __all__ = [
     "SCAN_BATCH",
     "RedisConfigWarning",
     "RedisStore",
-    "mask_url",
 ]
 
 logger = logging.getLogger(__name__)

@@ -39,6 +39,7 @@ from redis.exceptions import (
 )
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.redact import mask
 from celery_leases.stores.redis import SCAN_BATCH, RedisStore
 from celery_leases.stores.redis_batches import RENEW_CHUNK, Call
 from celery_leases.stores.redis_connections import (
@@ -46,7 +47,7 @@ from celery_leases.stores.redis_connections import (
     check_renew_connections,
     client_options,
 )
-from celery_leases.stores.redis_replies import _escape_glob, _text, mask_url
+from celery_leases.stores.redis_replies import _escape_glob, _text
 from celery_leases.stores.results import RenewRequest
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
@@ -66,11 +67,11 @@ def _open_cluster(url: str, plain_url: str, options: dict[str, Any]) -> RedisClu
         return RedisCluster.from_url(plain_url, **options)
     except (ValueError, TypeError) as exc:
         raise LeaseConfigurationError(
-            f"cannot open the Redis Cluster lease store {mask_url(url)!r}: {exc}"
+            f"cannot open the Redis Cluster lease store {mask(url)!r}: {exc}"
         ) from exc
     except (RedisClusterException, RedisError) as exc:
         raise StoreUnavailable(
-            f"the Redis Cluster at {mask_url(url)} did not answer ({exc}); check that its "
+            f"the Redis Cluster at {mask(url)} did not answer ({exc}); check that its "
             "nodes are running and reachable"
         ) from exc
 
@@ -132,7 +133,7 @@ class RedisClusterStore(RedisStore):
         plain = CLUSTER_SCHEMES.get(scheme.lower())
         if plain is None:
             raise LeaseConfigurationError(
-                f"{mask_url(url)!r} is not a cluster URL; use redis+cluster://host:port"
+                f"{mask(url)!r} is not a cluster URL; use redis+cluster://host:port"
             )
         renew_connections = check_renew_connections(renew_connections)
         options = client_options(client_options_)
@@ -145,7 +146,7 @@ class RedisClusterStore(RedisStore):
             client.close()
             raise
         store = cls(client, prefix=prefix, check_config=False, renew_client=renew_client)
-        store.url = mask_url(url)
+        store.url = mask(url)
         store._config_pending = check_config
         if check_config:
             store._check_config(store._client)

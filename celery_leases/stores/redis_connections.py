@@ -26,8 +26,9 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning
+from celery_leases.redact import mask
 from celery_leases.stores import redis_sentinel
-from celery_leases.stores.redis_replies import _text, mask_url
+from celery_leases.stores.redis_replies import _text
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT",
@@ -92,12 +93,12 @@ def open_client(url: str, options: dict[str, Any]) -> tuple[redis.Redis, Sentine
     """
     if url.split("://", 1)[0].lower() == redis_sentinel.SENTINEL_SCHEME:
         client, sentinel = redis_sentinel.sentinel_client(url, options)
-        return client, sentinel, redis_sentinel.mask_sentinel_url(url)
+        return client, sentinel, mask(url)
     try:
-        return redis.Redis.from_url(url, **options), None, mask_url(url)
+        return redis.Redis.from_url(url, **options), None, mask(url)
     except (ValueError, TypeError) as exc:
         raise LeaseConfigurationError(
-            f"cannot open the Redis lease store {mask_url(url)!r}: {exc}"
+            f"cannot open the Redis lease store {mask(url)!r}: {exc}"
         ) from exc
 
 

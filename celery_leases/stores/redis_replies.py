@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.exceptions import (
@@ -39,24 +38,7 @@ from celery_leases.stores.base import (
     unreadable,
 )
 
-__all__ = ["fenced_reply", "mask_url", "renew_result"]
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password (in the netloc or the query) replaced by ``***``."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostinfo}"
-    query = "&".join(
-        f"{name}=***" if name.lower() == "password" else f"{name}={value}"
-        for name, value in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    masked = f"{parts.scheme}://{netloc}{parts.path}"
-    if query:
-        masked += f"?{query}"
-    return masked
+__all__ = ["fenced_reply", "renew_result"]
 
 
 def _describe(client: redis.Redis) -> str:

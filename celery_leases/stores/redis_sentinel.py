@@ -22,7 +22,7 @@ import redis
 from redis.sentinel import Sentinel
 
 from celery_leases.errors import LeaseConfigurationError
-from celery_leases.redact import mask_url
+from celery_leases.redact import mask
 
 __all__ = ["SENTINEL_SCHEME", "SentinelUrl", "parse_sentinel_url", "sentinel_client"]
 
@@ -45,7 +45,7 @@ class SentinelUrl:
 
 def _bad(url: str, why: str) -> LeaseConfigurationError:
     return LeaseConfigurationError(
-        f"lease store URL {mask_url(url)!r}: {why}; use "
+        f"lease store URL {mask(url)!r}: {why}; use "
         "sentinel://host:26379;sentinel://host2:26379 with the master_name option"
     )
 
@@ -69,9 +69,9 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
             parts = urlsplit(part)
             port = parts.port or DEFAULT_SENTINEL_PORT
         except ValueError as exc:
-            raise _bad(url, f"cannot read {mask_url(part)!r} ({exc})") from exc
+            raise _bad(url, f"cannot read {mask(part)!r} ({exc})") from exc
         if parts.scheme.lower() != SENTINEL_SCHEME or not parts.hostname:
-            raise _bad(url, f"{mask_url(part)!r} is not sentinel://host:port")
+            raise _bad(url, f"{mask(part)!r} is not sentinel://host:port")
         sentinels.append((parts.hostname, port))
         if parts.password is not None and password is None:
             username = unquote(parts.username) if parts.username else None
@@ -127,8 +127,3 @@ def sentinel_client(url: str, options: dict[str, Any]) -> tuple[redis.Redis, Sen
     except (ValueError, TypeError) as exc:
         raise _bad(url, str(exc)) from exc
     return client, sentinel
-
-
-def mask_sentinel_url(url: str) -> str:
-    """Each ``;``-separated URL of ``url`` with its password masked."""
-    return ";".join(mask_url(part) for part in url.split(";"))

@@ -35,6 +35,7 @@ from celery_leases.errors import (
     LeaseRecordUnreadable,
     StoreUnavailable,
 )
+from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -54,7 +55,6 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
-from celery_leases.stores.checks import hide_password
 from celery_leases.stores.sql_statements import _held_by, _Statements
 from celery_leases.stores.sql_table import (
     _POSTGRES,
@@ -211,7 +211,7 @@ def _dialect_for(engine: Engine) -> _Dialect:
 
 
 def _masked_url(engine: Engine) -> str:
-    return engine.url.render_as_string(hide_password=True)
+    return mask(engine.url.render_as_string(hide_password=False))
 
 
 #: SQLSTATEs of an operational error that is a configuration, not an outage:
@@ -327,8 +327,9 @@ class SqlStore(LeaseStore):
             parsed = sa.make_url(url)
         except (exc.ArgumentError, ValueError) as error:
             raise LeaseConfigurationError(
-                f"cannot parse the SQL URL {hide_password(url)!r}: {hide_password(str(error))}"
-            ) from error
+                f"cannot parse the SQL URL {mask(url)!r}: "
+                f"{mask(str(error), secrets=secrets_of(url))}"
+            ) from None  # the parser's error quotes the URL, password and all
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
         if parsed.get_backend_name() == "postgresql":
@@ -337,7 +338,7 @@ class SqlStore(LeaseStore):
             engine = sa.create_engine(parsed, **engine_options)
         except (ImportError, exc.NoSuchModuleError) as error:
             raise LeaseConfigurationError(
-                f"the driver of {parsed.render_as_string(hide_password=True)} is not "
+                f"the driver of {mask(parsed.render_as_string(hide_password=False))} is not "
                 f"installed ({error}): pip install 'celery-leases[postgres]' for PostgreSQL"
             ) from error
         try:

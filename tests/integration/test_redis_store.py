@@ -35,7 +35,7 @@ from celery_leases import (
 )
 from celery_leases.stores import redis_batches
 from celery_leases.stores.base import Refusal
-from celery_leases.stores.redis import RedisConfigWarning, RedisStore, mask_url
+from celery_leases.stores.redis import RedisConfigWarning, RedisStore
 from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT, Script
 from tests.conftest import serve
 from tests.operations import every_operation
@@ -183,14 +183,6 @@ def test_store_over_a_client_that_decodes_responses(redis_server: RedisServer, u
         assert record is not None
         assert (record.owner, record.renew_count) == ("worker-a", 1)
         assert [r.job_id for r in store.records()] == ["job-a"]
-
-
-def test_mask_url_hides_passwords_in_netloc_and_query() -> None:
-    assert mask_url("redis://user:pw@h:6379/1") == "redis://user:***@h:6379/1"
-    assert mask_url("unix:///run/redis.sock?db=2&password=pw") == (
-        "unix:///run/redis.sock?db=2&password=***"
-    )
-    assert mask_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
 # --- scripts --------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The parts of the operator tools that need no server: durations, secret
-scrubbing, the purge schedule, and what each signal does to the metrics."""
+masking, the purge schedule, and what each signal does to the metrics."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from celery import Celery, beat
 from prometheus_client import REGISTRY
 
 from celery_leases import LeaseConfigurationError, LeaseTiming, signals
-from celery_leases.display import parse_duration, scrub
+from celery_leases.display import parse_duration
 from celery_leases.lease import Lease
 from celery_leases.metrics import install_metrics
 from celery_leases.purge import BEAT_ENTRY_NAME, PURGE_TASK_NAME, schedule_purge
+from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.memory import MemoryStore
 
 TIMING = LeaseTiming(ttl=10.0, renew_interval=3.0, drift_margin=1.0)
@@ -40,14 +41,14 @@ def test_parse_duration_refuses_anything_else(text: str) -> None:
         parse_duration(text)
 
 
-def test_scrub_hides_a_password_plain_quoted_or_in_the_query() -> None:
+def test_mask_hides_a_password_plain_quoted_or_in_the_query() -> None:
     url = "redis://user:p%40ss@host:6379/0"
-    assert scrub("failed at redis://user:p%40ss@host (p@ss)", url) == (
+    assert mask("failed at redis://user:p%40ss@host (p@ss)", secrets=secrets_of(url)) == (
         "failed at redis://user:***@host (***)"
     )
     query = "redis://host/0?password=hunter2"
-    assert "hunter2" not in scrub(f"cannot open {query!r}", query)
-    assert scrub("nothing secret", "memory://") == "nothing secret"
+    assert "hunter2" not in mask(f"cannot open {query!r}", secrets=secrets_of(query))
+    assert mask("nothing secret", secrets=secrets_of("memory://")) == "nothing secret"
 
 
 def test_schedule_purge_registers_the_task_and_one_beat_entry() -> None:

@@ -9,8 +9,9 @@ import pytest
 from celery import Celery
 
 from celery_leases import LeaseConfigurationError, LeasedTask, LeaseSettings
+from celery_leases.redact import mask, secrets_of
 from celery_leases.task import forget_runtime
-from celery_leases.worker import _redact, _secrets, check_app, check_store
+from celery_leases.worker import check_app, check_store
 
 
 @pytest.fixture
@@ -71,10 +72,10 @@ def test_secrets_are_taken_from_the_url_and_password_like_options() -> None:
         store_url="postgresql+psycopg://user:p%40ss-word@db/leases",
         store_options={"connect_args": {"password": "opt-secret"}, "prefix": "leases:"},
     )
-    secrets = _secrets(settings)
+    secrets = secrets_of(settings.store_url, settings.store_options)
     assert set(secrets) == {"p%40ss-word", "p@ss-word", "opt-secret"}
     text = "login with p@ss-word or opt-secret failed for leases:"
-    assert _redact(text, secrets) == "login with *** or *** failed for leases:"
+    assert mask(text, secrets=secrets) == "login with *** or *** failed for leases:"
 
 
 def test_a_memory_store_answers_the_start_check() -> None:
