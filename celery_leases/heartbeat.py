@@ -18,8 +18,13 @@ call per interval instead of one each. A call that hangs (a black-holed
 connection, a lock held by another transaction) is left to its thread: the
 leases it was renewing keep their deadlines and are lost on time, and a
 reply that comes back after a lease's deadline does not revive it. At most
-:data:`MAX_IN_FLIGHT` calls per store run at once, so a store that hangs
-cannot pile up threads::
+:data:`MAX_IN_FLIGHT` calls per store hold a *renewal slot* at once, so a
+store that hangs cannot pile up threads; a call holds its slot until it
+returns or until the earliest deadline of its leases, whichever comes first,
+so calls that hang cannot keep the leases claimed later from being renewed.
+Each call runs inside :func:`~celery_leases.stores.deadline.bounded` up to
+that deadline, so a store that bounds its waits (the SQL store) gives up
+then too::
 
     deadline thread  ──due──▶ start renewal ──▶ sleep ──deadline──▶ lost (flag / interrupt / stop)
     renewal thread            renew_many ......... (hangs) ......... reply: ignored if too late
@@ -44,6 +49,7 @@ from celery_leases.errors import LeaseLost, StoreUnavailable
 from celery_leases.lease import Lease
 from celery_leases.notify import notify
 from celery_leases.stores.base import LeaseStore, RenewRequest
+from celery_leases.stores.deadline import bounded
 
 __all__ = ["MAX_IN_FLIGHT", "Heartbeat", "process_heartbeat"]
 
@@ -53,7 +59,8 @@ logger = logging.getLogger("celery_leases")
 MIN_WAIT = 0.01
 #: longest pause between retries while the store is unavailable (seconds)
 MAX_RETRY_WAIT = 1.0
-#: renewal calls to one store that may be running at once
+#: renewal calls to one store that may hold a slot at once (a call gives its
+#: slot up when it returns or at the earliest deadline of its leases)
 MAX_IN_FLIGHT = 2
 
 
@@ -77,8 +84,10 @@ class Heartbeat:
         self._sleeping_until = float("inf")
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        #: renewal calls running now, per store (by id)
-        self._in_flight: dict[int, int] = {}
+        #: renewal calls holding a slot, per store (by id): call number ->
+        #: the moment its slot ends (the earliest deadline of its leases)
+        self._in_flight: dict[int, dict[int, float]] = {}
+        self._calls = 0
         #: leases (by id) whose renewal call is running now
         self._renewing: set[int] = set()
         #: how long the thread sleeps with no lease held: the shortest renew
@@ -195,13 +204,21 @@ class Heartbeat:
 
     def _start_renewal(self, store: LeaseStore, leases: list[Lease]) -> None:
         key = id(store)
+        started = self._clock()
+        slot_ends = min(lease.deadline for lease in leases)
         with self._lock:
-            if self._in_flight.get(key, 0) >= MAX_IN_FLIGHT:
+            # a call past its leases' earliest deadline no longer holds a slot
+            slots = {
+                call: ends for call, ends in self._in_flight.get(key, {}).items() if ends > started
+            }
+            self._in_flight[key] = slots
+            if len(slots) >= MAX_IN_FLIGHT:
                 # calls that hang hold every slot: the leases keep their
                 # deadlines, and the next tick tries again
                 return
-            self._in_flight[key] = self._in_flight.get(key, 0) + 1
-        started = self._clock()
+            self._calls += 1
+            call = self._calls
+            slots[call] = slot_ends
         for lease in leases:
             # no second request for these leases until this one had its chance
             lease.next_renew_at = started + min(lease.timing.renew_interval / 2, MAX_RETRY_WAIT)
@@ -209,24 +226,30 @@ class Heartbeat:
             self._renewing.update(id(lease) for lease in leases)
         thread = threading.Thread(
             target=self._renew_batch,
-            args=(store, leases, started),
+            args=(store, leases, started, call, slot_ends),
             name="celery-leases-renew",
             daemon=True,
         )
         try:
             thread.start()
         except BaseException:
-            with self._lock:
-                self._in_flight[key] -= 1
-                self._renewing.difference_update(id(lease) for lease in leases)
+            self._end_call(key, call, leases)
             raise
+
+    def _end_call(self, key: int, call: int, leases: list[Lease]) -> None:
+        with self._lock:
+            self._in_flight.get(key, {}).pop(call, None)
+            self._renewing.difference_update(id(lease) for lease in leases)
 
     # -- renewal threads -------------------------------------------------------
 
-    def _renew_batch(self, store: LeaseStore, leases: list[Lease], started: float) -> None:
+    def _renew_batch(
+        self, store: LeaseStore, leases: list[Lease], started: float, call: int, slot_ends: float
+    ) -> None:
         requests = [RenewRequest(x.job_id, x.owner, x.generation, x.timing.ttl) for x in leases]
         try:
-            results = store.renew_many(requests)
+            with bounded(slot_ends - self._clock()):
+                results = store.renew_many(requests)
         except StoreUnavailable as exc:
             notify(
                 logger.warning,
@@ -239,9 +262,7 @@ class Heartbeat:
             self._fail(leases, exc)
             return
         finally:
-            with self._lock:
-                self._in_flight[id(store)] -= 1
-                self._renewing.difference_update(id(lease) for lease in leases)
+            self._end_call(id(store), call, leases)
         for lease, result in zip(leases, results, strict=True):
             lease.apply_renewal(started, result)
             if lease.lost:

@@ -64,6 +64,48 @@ def _now_once(dialect: _Dialect) -> ColumnElement[int]:
     return sa.select(n.c.now).scalar_subquery()
 
 
+def _takeable(record: Any, now: Any, send_id: Any) -> ColumnElement[bool]:
+    """A claim may take ``record`` over: released, held with a lease that
+    ran out by ``now`` (at ``lease_until`` exactly, it has run out), or
+    completed under another send id than a given ``:p_send_id`` (a new run)."""
+    held = LeaseState.HELD.value
+    return sa.or_(
+        record.state == LeaseState.RELEASED.value,
+        sa.and_(record.state == held, record.lease_until <= now),
+        sa.and_(
+            record.state == LeaseState.COMPLETED.value,
+            sa.bindparam("p_new_send", type_=sa.Boolean),
+            record.send_id != send_id,
+        ),
+    )
+
+
+def _takeover_values(
+    t: sa.Table, dialect: _Dialect, now: Any, new: dict[str, Any]
+) -> dict[str, Any]:
+    """The SET of a takeover at ``now``; ``new`` holds the claim's owner,
+    lease_until, task_name and send_id."""
+    held = LeaseState.HELD.value
+    return {
+        **new,
+        "generation": dialect.greatest(t.c.generation + 1, now),
+        "state": held,
+        "claimed_at": now,
+        "renewed_at": None,
+        "completed_at": None,
+        "renew_count": 0,
+        "takeovers": sa.case(
+            (t.c.state == held, t.c.takeovers + 1),
+            (t.c.state == LeaseState.COMPLETED.value, 0),
+            else_=t.c.takeovers,
+        ),
+        "outcome": None,
+        "released_at": None,
+        "released_by": "",
+        "release_reason": "",
+    }
+
+
 def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     """INSERT ... SELECT ... ON CONFLICT (job_id) DO UPDATE ... RETURNING.
 
@@ -80,7 +122,6 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     t = table
     n = _now_row(dialect)
     held = LeaseState.HELD.value
-    completed = LeaseState.COMPLETED.value
     source = (
         sa.select(
             sa.bindparam("p_job_id", type_=sa.String),
@@ -115,43 +156,71 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
         source,
     )
     now = insert.excluded.claimed_at
+    new = {
+        name: getattr(insert.excluded, name)
+        for name in ("owner", "lease_until", "task_name", "send_id")
+    }
     return insert.on_conflict_do_update(
         index_elements=[t.c.job_id],
-        set_={
-            "owner": insert.excluded.owner,
-            "generation": dialect.greatest(t.c.generation + 1, now),
-            "lease_until": insert.excluded.lease_until,
-            "state": held,
-            "task_name": insert.excluded.task_name,
-            "claimed_at": now,
-            "renewed_at": None,
-            "completed_at": None,
-            "renew_count": 0,
-            "takeovers": sa.case(
-                (t.c.state == held, t.c.takeovers + 1),
-                (t.c.state == completed, 0),
-                else_=t.c.takeovers,
-            ),
-            "send_id": insert.excluded.send_id,
-            "outcome": None,
-            "released_at": None,
-            "released_by": "",
-            "release_reason": "",
-        },
+        set_=_takeover_values(t, dialect, now, new),
         where=sa.and_(
-            sa.or_(
-                t.c.state == LeaseState.RELEASED.value,
-                sa.and_(t.c.state == held, t.c.lease_until <= now),
-                sa.and_(
-                    t.c.state == completed,
-                    sa.bindparam("p_new_send", type_=sa.Boolean),
-                    t.c.send_id != insert.excluded.send_id,
-                ),
-            ),
+            _takeable(t.c, now, insert.excluded.send_id),
             dialect.whole(t.c.generation),
             dialect.whole(t.c.lease_until),
         ),
     ).returning(t.c.generation, t.c.lease_until, t.c.claimed_at, t.c.takeovers)
+
+
+def _decide_statement(table: sa.Table, dialect: _Dialect) -> Any:
+    """After a claim matched nothing: lock the record, then take it over or
+    report it, in one statement (PostgreSQL).
+
+    ``old`` reads the record ``FOR UPDATE``: it waits for a writer that
+    holds the row and then sees the version that writer committed. ``upd``
+    takes that version over if it may be taken; the outer SELECT returns
+    the record as ``old`` read it, with the clock, and the takeover's
+    columns (NULL when it was not taken)::
+
+        claim (autocommit) -> no row        (held, or it changed meanwhile)
+        decide             -> old: the record under our lock
+                              upd: taken over if old may be  -> Acquired
+                              else old is the answer: HeldElsewhere or
+                              AlreadyCompleted
+                              no row: the record was purged  -> claim again
+    """
+    t = table
+    n = _now_row(dialect)
+    old = (
+        sa.select(t, n.c.now)
+        .select_from(t)
+        .join(n, sa.true())
+        .where(t.c.job_id == sa.bindparam("p_job_id", type_=sa.String))
+        .with_for_update(of=t)
+        .cte("old")
+    )
+    now = old.c.now
+    new = {
+        "owner": sa.bindparam("p_owner", type_=sa.String),
+        "lease_until": now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
+        "task_name": sa.bindparam("p_task_name", type_=sa.String),
+        "send_id": sa.bindparam("p_send_id", type_=sa.String),
+    }
+    upd = (
+        sa.update(t)
+        .values(_takeover_values(t, dialect, now, new))
+        .where(
+            t.c.job_id == old.c.job_id,
+            _takeable(old.c, now, new["send_id"]),
+        )
+        .returning(
+            t.c.generation.label("new_generation"),
+            t.c.lease_until.label("new_lease_until"),
+            t.c.claimed_at.label("new_claimed_at"),
+            t.c.takeovers.label("new_takeovers"),
+        )
+        .cte("upd")
+    )
+    return sa.select(old, upd).select_from(old.outerjoin(upd, sa.true()))
 
 
 def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
@@ -186,6 +255,8 @@ class _Statements:
     claim: Any
     #: the record of ``:p_job_id`` and the clock, after a claim matched nothing
     holder: Any
+    #: PostgreSQL: lock the record, take it over or report it (None in SQLite)
+    decide: Any
     renew: Any
     renew_many: Any
     complete: Any
@@ -210,6 +281,7 @@ class _Statements:
         purge_before = purge_now - sa.bindparam("p_older_than_ms", type_=sa.BigInteger)
         return cls(
             claim=_claim_statement(t, dialect),
+            decide=_decide_statement(t, dialect) if dialect.name == "postgresql" else None,
             holder=(
                 sa.select(t, n.c.now)
                 .select_from(t)
