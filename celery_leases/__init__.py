@@ -7,6 +7,9 @@ completion. Each claim carries a generation number, the fencing token.
 
 from __future__ import annotations
 
+import importlib as _importlib
+from typing import TYPE_CHECKING, Any
+
 from celery_leases import censor as _censor
 
 # `celery inspect leases`, also for workers started from Python code
@@ -19,10 +22,12 @@ from celery_leases.errors import (
     LeaseLost,
     LeaseRecordUnreadable,
     LeaseStoreWarning,
+    ResultUnavailable,
     StaleFencingToken,
     StoreUnavailable,
     TakeoverLimitExceeded,
 )
+from celery_leases.fencing import FenceResult, FencingToken, Token
 from celery_leases.lease import Lease
 from celery_leases.runtime import stop
 from celery_leases.settings import LeaseSettings, LeaseTiming
@@ -41,8 +46,44 @@ from celery_leases.stores.base import (
     Renewed,
     RenewRequest,
 )
+from celery_leases.stores.memory import ManualClock, MemoryStore
 from celery_leases.task import LeasedTask
 from celery_leases.worker import install
+
+if TYPE_CHECKING:
+    from celery_leases.fencing.http import FenceChecker as FenceChecker
+    from celery_leases.fencing.redis import RedisFence as RedisFence
+    from celery_leases.fencing.sql import SqlFences as SqlFences
+    from celery_leases.pytest_plugin import LeaseFaults as LeaseFaults
+    from celery_leases.stores.redis import RedisStore as RedisStore
+    from celery_leases.stores.sql import SqlStore as SqlStore
+
+#: names whose modules need an extra (or pytest): imported on first use
+_LAZY = {
+    "FenceChecker": ("celery_leases.fencing.http", "http"),
+    "RedisFence": ("celery_leases.fencing.redis", "redis"),
+    "SqlFences": ("celery_leases.fencing.sql", "sqlalchemy"),
+    "LeaseFaults": ("celery_leases.pytest_plugin", "dev"),
+    "RedisStore": ("celery_leases.stores.redis", "redis"),
+    "SqlStore": ("celery_leases.stores.sql", "sqlalchemy"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'celery_leases' has no attribute {name!r}")
+    module, extra = _LAZY[name]
+    try:
+        value = getattr(_importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ImportError(
+            f"celery_leases.{name} needs a package that is not installed ({exc.name}): "
+            f"pip install 'celery-leases[{extra}]'",
+            name=exc.name,
+        ) from exc
+    globals()[name] = value
+    return value
+
 
 _observe.connect()
 _censor.install_settings_filter()
@@ -60,6 +101,8 @@ __all__ = [
     # stores
     "LeaseStore",
     "open_store",
+    "MemoryStore",
+    "ManualClock",
     # store records and results
     "Acquired",
     "AlreadyCompleted",
@@ -73,12 +116,17 @@ __all__ = [
     "Released",
     "RenewRequest",
     "Renewed",
+    # fencing tokens
+    "Token",
+    "FencingToken",
+    "FenceResult",
     # errors
     "LeaseConfigurationError",
     "LeaseError",
     "LeaseHeld",
     "LeaseLost",
     "LeaseRecordUnreadable",
+    "ResultUnavailable",
     "StaleFencingToken",
     "StoreUnavailable",
     "TakeoverLimitExceeded",

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.runtime import forget_runtime, settings_for
+from celery_leases.spelling import misspelled_settings
 from celery_leases.stores import open_store
 from celery_leases.worker import check_app
 
@@ -44,7 +45,9 @@ def run_checks(app: Any) -> list[Check]:
     try:
         settings = settings_for(app)
     except LeaseConfigurationError as exc:
-        return [Check("settings", "error", str(exc), exit_code=5)]
+        hints = misspelled_settings(app.conf)
+        detail = f"{exc} ({'; '.join(hints)})" if hints else str(exc)
+        return [Check("settings", "error", detail, exit_code=5)]
     report.append(
         Check("settings", "ok", f"store {_scheme(settings.store_url)}://, ttl {settings.ttl:g} s")
     )
@@ -56,13 +59,21 @@ def run_checks(app: Any) -> list[Check]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report.extend(_store_checks(settings.store_url, dict(settings.store_options)))
+        errors: list[str] = []  # every mistake at once, beside the warnings
         try:
-            app_warnings = check_app(app)
+            app_warnings = check_app(app, errors=errors)
         except LeaseConfigurationError as exc:
-            report.append(Check("tasks", "error", str(exc), exit_code=5))
+            errors.append(str(exc))
             app_warnings = []
+    store_failed = any(c.name == "store" and c.status == "error" for c in report)
+    for message in errors:
+        # the store's own check has said why it cannot be used
+        if not (store_failed and message.startswith("the lease store cannot be used")):
+            report.append(Check("tasks", "error", message, exit_code=5))
     seen: set[str] = set()
-    named = [("store", str(w.message)) for w in caught] + [("tasks", m) for m in app_warnings]
+    named = [("store", str(w.message)) for w in caught] + [
+        ("settings" if m.startswith("the setting ") else "tasks", m) for m in app_warnings
+    ]
     for name, message in named:
         # an unreachable store is already an error of the "store" check
         if message not in seen and "cannot be reached" not in message:

@@ -43,6 +43,7 @@ from celery_leases.runtime import (
     settings_for,
 )
 from celery_leases.settings import LeaseSettings, check_defer_max
+from celery_leases.spelling import misspelled_settings, misspelled_task_attributes
 from celery_leases.stores import open_store
 from celery_leases.task import LeasedTask
 
@@ -132,12 +133,20 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             logger.warning(warning)
 
 
-def check_app(app: Any, *, pool: str = "", store_timeout: float = STORE_CHECK_TIMEOUT) -> list[str]:
+def check_app(
+    app: Any,
+    *,
+    pool: str = "",
+    store_timeout: float = STORE_CHECK_TIMEOUT,
+    errors: list[str] | None = None,
+) -> list[str]:
     """Check the lease settings, the store and every leased task of ``app``.
 
     Args:
         pool: the pool class name or alias, when known (for the ``stop`` check).
         store_timeout: seconds to wait for the store's answer (see :func:`check_store`).
+        errors: if given, a task's or the store's mistake is appended here
+            and the checks go on, instead of raising at the first one.
 
     Returns:
         Warnings worth logging.
@@ -146,9 +155,20 @@ def check_app(app: Any, *, pool: str = "", store_timeout: float = STORE_CHECK_TI
         LeaseConfigurationError: a setting or a task cannot work; the message
             says what to change.
     """
-    settings = settings_for(app)
-    warnings: list[str] = []
-    store_warning = check_store(settings, timeout=store_timeout)
+    warnings = misspelled_settings(app.conf)
+    try:
+        settings = settings_for(app)
+    except LeaseConfigurationError as exc:
+        if not warnings:
+            raise
+        raise LeaseConfigurationError(f"{exc} ({'; '.join(warnings)})") from exc
+    try:
+        store_warning = check_store(settings, timeout=store_timeout)
+    except LeaseConfigurationError as exc:
+        if errors is None:
+            raise
+        errors.append(str(exc))
+        store_warning = None
     if store_warning is not None:
         warnings.append(store_warning)
     visibility = _visibility_timeout(app)
@@ -156,52 +176,67 @@ def check_app(app: Any, *, pool: str = "", store_timeout: float = STORE_CHECK_TI
     for task in list(app.tasks.values()):
         if not isinstance(task, LeasedTask):
             continue
-        if not task.acks_late:
-            raise LeaseConfigurationError(
-                f"task {task.name!r} is leased but has acks_late=False: a worker lost mid-run "
-                "would drop the job. Remove acks_late=False from the task (and check "
-                "task_acks_late), or do not use LeasedTask for it"
-            )
+        warnings += misspelled_task_attributes(task, LeasedTask)
         try:
-            timing = task.lease_timing()
+            warnings += _check_task(app, task, visibility, prefork, pool)
         except LeaseConfigurationError as exc:
-            raise LeaseConfigurationError(f"task {task.name!r}: {exc}") from exc
-        mode = task.lease_on_lost_mode()
-        task.lease_takeover_limit()
-        if task.lease_defer_max is not None:
-            check_defer_max(task.lease_defer_max, f"{task.name}.lease_defer_max")
-        key = type(task).lease_key
-        if key is not None and not isinstance(key, str) and not callable(key):
-            raise LeaseConfigurationError(
-                f"lease_key of task {task.name!r} must be None, a format string or a "
-                f"callable, got {key!r}"
-            )
-        if visibility is not None and visibility < timing.ttl:
-            warnings.append(
-                f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
-                f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
-                "again and deferred over and over; raise broker_transport_options"
-                "['visibility_timeout'] well above your longest run"
-            )
-        time_limit = task.time_limit or app.conf.task_time_limit
-        if visibility is not None and time_limit and time_limit > visibility:
-            warnings.append(
-                f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
-                f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
-                "delivered again while it runs; the copy is deferred, not run, but raise "
-                "broker_transport_options['visibility_timeout'] above the time limit"
-            )
-        if not task.reject_on_worker_lost:
-            warnings.append(
-                f"task {task.name!r} has reject_on_worker_lost=False: when a worker is "
-                "killed mid-run its message is acknowledged and the job is lost"
-            )
-        if mode == "stop" and not prefork:
-            warnings.append(
-                f"task {task.name!r} uses lease_on_lost='stop' with the {pool} pool: a lost "
-                "lease raises LeaseLost in the task instead (only prefork children can be "
-                "stopped alone)"
-            )
+            if errors is None:
+                raise
+            errors.append(str(exc))
+    return warnings
+
+
+def _check_task(
+    app: Any, task: Any, visibility: float | None, prefork: bool, pool: str
+) -> list[str]:
+    """Warnings about one leased task; raises LeaseConfigurationError for a mistake."""
+    warnings: list[str] = []
+    if not task.acks_late:
+        raise LeaseConfigurationError(
+            f"task {task.name!r} is leased but has acks_late=False: a worker lost mid-run "
+            "would drop the job. Remove acks_late=False from the task (and check "
+            "task_acks_late), or do not use LeasedTask for it"
+        )
+    try:
+        timing = task.lease_timing()
+    except LeaseConfigurationError as exc:
+        raise LeaseConfigurationError(f"task {task.name!r}: {exc}") from exc
+    mode = task.lease_on_lost_mode()
+    task.lease_takeover_limit()
+    if task.lease_defer_max is not None:
+        check_defer_max(task.lease_defer_max, f"{task.name}.lease_defer_max")
+    key = type(task).lease_key
+    if key is not None and not isinstance(key, str) and not callable(key):
+        raise LeaseConfigurationError(
+            f"lease_key of task {task.name!r} must be None, a format string or a "
+            f"callable, got {key!r}"
+        )
+    if visibility is not None and visibility < timing.ttl:
+        warnings.append(
+            f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
+            f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
+            "again and deferred over and over; raise broker_transport_options"
+            "['visibility_timeout'] well above your longest run"
+        )
+    time_limit = task.time_limit or app.conf.task_time_limit
+    if visibility is not None and time_limit and time_limit > visibility:
+        warnings.append(
+            f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
+            f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
+            "delivered again while it runs; the copy is deferred, not run, but raise "
+            "broker_transport_options['visibility_timeout'] above the time limit"
+        )
+    if not task.reject_on_worker_lost:
+        warnings.append(
+            f"task {task.name!r} has reject_on_worker_lost=False: when a worker is "
+            "killed mid-run its message is acknowledged and the job is lost"
+        )
+    if mode == "stop" and not prefork:
+        warnings.append(
+            f"task {task.name!r} uses lease_on_lost='stop' with the {pool} pool: a lost "
+            "lease raises LeaseLost in the task instead (only prefork children can be "
+            "stopped alone)"
+        )
     return warnings
 
 

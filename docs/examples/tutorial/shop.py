@@ -5,6 +5,7 @@ folder), so it runs with no server: kombu's ``filesystem://`` broker,
 SQLite for results, leases and orders.
 """
 
+# --8<-- [start:app]
 from __future__ import annotations
 
 import os
@@ -18,8 +19,9 @@ from celery_leases.fencing.sql import fenced_update
 
 DATA = Path(os.environ.get("SHOP_DATA", ".")).resolve()
 BROKER = DATA / "broker"
+for folder in ("messages", "processed", "control"):
+    (BROKER / folder).mkdir(parents=True, exist_ok=True)
 
-# --8<-- [start:app]
 app = Celery("shop", broker="filesystem://", backend=f"db+sqlite:///{DATA / 'results.db'}")
 app.conf.broker_transport_options = {
     "data_folder_in": str(BROKER / "messages"),
@@ -33,9 +35,6 @@ app.conf.worker_enable_remote_control = False  # the filesystem broker has no fa
 app.conf.leases_store = f"sqlite:///{DATA / 'leases.db'}"  # an absolute path: four slashes
 app.conf.leases_ttl = 30  # renewed every 10 s while the task runs
 # --8<-- [end:app]
-
-for folder in ("messages", "processed", "control"):
-    (BROKER / folder).mkdir(parents=True, exist_ok=True)
 
 # --8<-- [start:table]
 engine = sa.create_engine(f"sqlite:///{DATA / 'shop.db'}")

@@ -1,0 +1,73 @@
+"""Misspelled lease settings and task attributes, found before they are silently ignored.
+
+Celery keeps any key in ``app.conf`` and any keyword of ``@app.task``, so
+``leases_tll = 5`` or ``lease_tll=5`` would leave the TTL at its default
+with no word said. The worker's start checks and ``celery leases check``
+warn about every ``lease``-prefixed name that celery-leases does not read,
+naming the closest one it does (:func:`difflib.get_close_matches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+from celery_leases.settings import LeaseSettings
+
+__all__ = ["SETTINGS", "misspelled_settings", "misspelled_task_attributes"]
+
+#: settings read outside :class:`LeaseSettings` (the metrics server)
+_OTHER_SETTINGS = ("leases_metrics_port", "leases_metrics_address")
+
+#: every ``leases_*`` key of ``app.conf`` that celery-leases reads
+SETTINGS: frozenset[str] = frozenset(
+    {
+        "leases_store" if f.name == "store_url" else f"leases_{f.name}"
+        for f in dataclasses.fields(LeaseSettings)
+    }
+    | set(_OTHER_SETTINGS)
+)
+
+
+def _closest(name: str, known: Iterable[str]) -> str:
+    matches = difflib.get_close_matches(name.lower(), sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {matches[0]!r}?" if matches else ""
+
+
+def _looks_like_ours(name: str) -> bool:
+    return name.lower().startswith(("lease_", "leases_"))
+
+
+def misspelled_settings(conf: Any) -> list[str]:
+    """Warnings for ``lease``-prefixed keys of ``conf`` that no setting reads."""
+    found = []
+    for key in sorted({str(k) for k in conf.keys()}):  # noqa: SIM118 - Celery's conf is no dict
+        if _looks_like_ours(key) and key not in SETTINGS:
+            found.append(
+                f"the setting {key!r} is not a celery-leases setting and is ignored"
+                f"{_closest(key, SETTINGS)}"
+            )
+    return found
+
+
+def misspelled_task_attributes(task: Any, base: type) -> list[str]:
+    """Warnings for ``lease``-prefixed attributes of ``task`` that ``base`` does not read.
+
+    Args:
+        task: a task whose class derives from ``base``.
+        base: :class:`~celery_leases.task.LeasedTask`; its own names are the valid ones.
+    """
+    known = {name for name in dir(base) if _looks_like_ours(name)}
+    found = []
+    for cls in type(task).__mro__:
+        if cls is base or issubclass(base, cls):
+            continue
+        for name in sorted(vars(cls)):
+            if _looks_like_ours(name) and name not in known:
+                found.append(
+                    f"task {task.name!r} sets {name!r}, which is not a LeasedTask attribute "
+                    f"and is ignored{_closest(name, known)}"
+                )
+    return found
