@@ -1,11 +1,14 @@
 """A duplicate delivery is deferred, never dropped: when the holder dies, the
-deferred copy finishes the job, once."""
+deferred copy finishes the job, once. The main cases run on Redis and on
+RabbitMQ, where a countdown message is held unacknowledged in the worker."""
 
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
+import pytest
 from celery.result import AsyncResult
 
 from celery_leases import LeaseState
@@ -26,7 +29,9 @@ def _holder_and_deferred_duplicate(
     worker that received and deferred the duplicate (B).
     """
     workers = [cluster.worker("a"), cluster.worker("b")]
-    result = cluster.send(STEPS, 4.0)
+    send_id = f"send-{uuid.uuid4().hex}"
+    with keeping_send_id(send_id):
+        result = cluster.send(STEPS, 4.0)
     (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
     generation_a = started_a["generation"]
     # whichever worker took the job is A, the holder; the other is B
@@ -34,7 +39,10 @@ def _holder_and_deferred_duplicate(
         workers, key=lambda w: not started_a["worker"].startswith(f"{w.name}@")
     )
 
-    cluster.send(STEPS, 4.0, task_id=result.id)
+    # the same message again (same task id and send id), as a broker
+    # redelivers it while A runs
+    with keeping_send_id(send_id):
+        cluster.send(STEPS, 4.0, task_id=result.id)
     received = re.escape(f"Task {STEPS}[{result.id}] received")
     # the duplicate, then its re-published copy
     wait_until(
@@ -50,14 +58,19 @@ def _holder_and_deferred_duplicate(
     return result, started_a, worker_a, worker_b
 
 
-def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster) -> None:
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"], indirect=True)
+def test_duplicate_waits_for_killed_holder_then_completes_once(
+    cluster: Cluster, broker_kind: str
+) -> None:
     """Timeline (TTL 2 s, body 4 s)::
 
     A claims generation g and runs the body
-    the same task id is sent again; B receives it, finds the lease held,
-        re-publishes it with a countdown and does not run the body
-    A is killed with SIGKILL (no release: its lease runs out)
-    B's deferred copy claims g+1 (a takeover), runs the body, completes
+    the same message is delivered again; B receives it, finds the lease
+        held, re-publishes it with a countdown and does not run the body
+    A is killed with SIGKILL (no release: its lease runs out); RabbitMQ
+        also gives A's own message to B at once, which B defers as well
+    B's first copy claims g+1 (a takeover), runs the body, completes; a
+        second copy finds the job completed and is skipped
     """
     cluster.configure(ttl=TTL)
     result, started_a, worker_a, worker_b = _holder_and_deferred_duplicate(cluster)
@@ -82,8 +95,14 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
     assert cluster.side.done_count(result.id) == 1
     succeeded = re.escape(f"Task {STEPS}[{result.id}] succeeded")
     assert len(re.findall(succeeded, worker_a.log() + worker_b.log())) == 1
+    if broker_kind == "amqp":
+        # A's own message came back when its connection closed: the same
+        # run, so it was skipped, not run a second time
+        worker_b.wait_for_log(rf"lease skipped: job={re.escape(result.id)}", timeout=30)
+        assert cluster.side.done_count(result.id) == 1
 
 
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"], indirect=True)
 def test_delivery_of_completed_job_is_skipped(cluster: Cluster) -> None:
     cluster.configure(ttl=TTL)
     worker = cluster.worker("a")
