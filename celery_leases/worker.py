@@ -36,6 +36,7 @@ from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
+from celery_leases.broker_checks import broker_warnings
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
 from celery_leases.settings import LeaseSettings, check_defer_max
 from celery_leases.stores import open_store
@@ -254,6 +255,8 @@ def check_app(app: Any, *, pool: str = "", store_timeout: float = STORE_CHECK_TI
                 "lease raises LeaseLost in the task instead (only prefork children can be "
                 "stopped alone)"
             )
+    leased = [task for task in list(app.tasks.values()) if isinstance(task, LeasedTask)]
+    warnings.extend(broker_warnings(app, leased))
     return warnings
 
 

@@ -5,6 +5,7 @@ RabbitMQ, where a countdown message is held unacknowledged in the worker."""
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from typing import Any
 
@@ -13,9 +14,10 @@ from celery.result import AsyncResult
 
 from celery_leases import LeaseState
 from celery_leases.sending import keeping_send_id
-from tests.acceptance.app import STEPS
+from tests.acceptance.app import ECHO, STEPS
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import Worker, wait_until
+from tests.broker_servers import CONSUMER_TIMEOUT
 
 TTL = 2.0
 
@@ -145,3 +147,42 @@ def test_takeover_past_limit_fails_job_without_running_it(cluster: Cluster) -> N
     assert type(result.result).__name__ == "TakeoverLimitExceeded"
     assert cluster.side.events(result.id, "start") == [started_a]
     assert cluster.side.done_count(result.id) == 0
+
+
+@pytest.mark.parametrize("broker_kind", ["amqp"], indirect=True)
+def test_a_deferred_copy_does_not_outlive_the_consumer_timeout(cluster: Cluster) -> None:
+    """Timeline (RabbitMQ ``consumer_timeout`` 8 s, checked every second; TTL 20 s)::
+
+    A claims the job and runs its 4 s body
+    the same message again: B finds the lease held for about 20 s more
+        (a countdown of 20 s would keep the copy unacknowledged in B past
+        the consumer timeout: the node would close B's channel with
+        PRECONDITION_FAILED and B would stop consuming)
+    the countdown is capped at half the consumer timeout: B's copy comes
+        back after 4 s at most and is deferred again or skipped
+    A completes; B's next copy finds the job completed and is skipped
+    """
+    cluster.configure(ttl=20.0, consumer_timeout=CONSUMER_TIMEOUT)
+    result, started_a, worker_a, worker_b = _holder_and_deferred_duplicate(cluster)
+    deferred_at = time.monotonic()
+
+    value = result.get(timeout=30)
+    assert value == {"worker": started_a["worker"], "generation": started_a["generation"]}
+    worker_b.wait_for_log(rf"lease skipped: job={re.escape(result.id)}", timeout=30)
+    # past the point where an uncapped copy would have been taken from B
+    time.sleep(max(0.0, deferred_at + CONSUMER_TIMEOUT + 4.0 - time.monotonic()))
+    assert worker_b.alive(), worker_b.log()
+    assert "PRECONDITION_FAILED" not in worker_b.log()
+    assert cluster.side.done_count(result.id) == 1
+    countdowns = [
+        float(found)
+        for found in re.findall(
+            rf"lease deferred: job={re.escape(result.id)} .*countdown=([0-9.]+)", worker_b.log()
+        )
+    ]
+    assert countdowns, worker_b.log()
+    assert max(countdowns) <= CONSUMER_TIMEOUT / 2
+    # B still takes work
+    echo = cluster.send(ECHO, "after")
+    assert echo.get(timeout=30)["value"] == "after"
+    assert worker_a.alive()
