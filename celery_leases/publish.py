@@ -9,6 +9,10 @@ child of itself.
 When publishing fails (the broker cannot be written to), the worker waits
 and tries again with exponential backoff up to ``leases_defer_max`` seconds
 in all, then rejects the message back to the queue: it never spins.
+
+On RabbitMQ the countdown is capped below the consumer timeout
+(:func:`celery_leases.broker_checks.countdown_cap`), since the worker that
+receives the copy holds it unacknowledged until the countdown ends.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from celery.exceptions import Reject
 from kombu.serialization import registry
 
 from celery_leases import signals
+from celery_leases.broker_checks import countdown_cap
 from celery_leases.lease import Lease
 from celery_leases.request import CONTENT_TYPE_KEY
 from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
@@ -85,6 +90,10 @@ def publish_again(
     Raises:
         Reject: publishing kept failing; the broker keeps the message (requeue).
     """
+    cap = countdown_cap(task._get_app())
+    if cap is not None:
+        # the copy is held unacknowledged until its countdown ends
+        countdown = min(countdown, cap)
     deferrals = deferrals_of(request) + 1
     headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
     send_id = getattr(request, SEND_ID_HEADER, None) or headers.get(SEND_ID_HEADER)

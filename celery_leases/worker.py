@@ -31,6 +31,7 @@ from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
+from celery_leases.broker_checks import broker_warnings
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.metrics import install_metrics
 from celery_leases.redact import mask, secrets_of
@@ -183,6 +184,8 @@ def check_app(
             if errors is None:
                 raise
             errors.append(str(exc))
+    leased = [task for task in list(app.tasks.values()) if isinstance(task, LeasedTask)]
+    warnings.extend(broker_warnings(app, leased))
     return warnings
 
 

@@ -74,6 +74,9 @@ class AcceptanceConfig:
             stores the result.
         pickle: the worker also accepts pickled messages (as root, Celery
             then needs ``C_FORCE_ROOT``, which this sets for that worker).
+        consumer_timeout: ``leases_broker_consumer_timeout`` (RabbitMQ), or
+            None for the default.
+        acks_on_timeout: ``task_acks_on_timeout``, or None for Celery's default.
     """
 
     broker: str
@@ -93,6 +96,8 @@ class AcceptanceConfig:
     broker_write: str | None = None
     kill_after_complete: bool = False
     pickle: bool = False
+    consumer_timeout: float | None = None
+    acks_on_timeout: bool | None = None
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -121,6 +126,10 @@ class AcceptanceConfig:
             env["LEASES_TEST_KILL_AFTER_COMPLETE"] = "1"
         if self.pickle:
             env["LEASES_TEST_PICKLE"] = env["C_FORCE_ROOT"] = "1"
+        if self.consumer_timeout is not None:
+            env["LEASES_TEST_CONSUMER_TIMEOUT"] = str(self.consumer_timeout)
+        if self.acks_on_timeout is not None:
+            env["LEASES_TEST_ACKS_ON_TIMEOUT"] = "1" if self.acks_on_timeout else "0"
         return env
 
 
@@ -135,6 +144,8 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
     renew = env.get("LEASES_TEST_RENEW_INTERVAL")
     max_takeovers = env.get("LEASES_TEST_MAX_TAKEOVERS")
     defer_max = env.get("LEASES_TEST_DEFER_MAX")
+    consumer_timeout = env.get("LEASES_TEST_CONSUMER_TIMEOUT")
+    acks_on_timeout = env.get("LEASES_TEST_ACKS_ON_TIMEOUT")
     return AcceptanceConfig(
         broker=broker,
         backend=env.get("LEASES_TEST_BACKEND", broker),
@@ -153,6 +164,8 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         broker_write=env.get("LEASES_TEST_BROKER_WRITE") or None,
         kill_after_complete=env.get("LEASES_TEST_KILL_AFTER_COMPLETE") == "1",
         pickle=env.get("LEASES_TEST_PICKLE") == "1",
+        consumer_timeout=float(consumer_timeout) if consumer_timeout else None,
+        acks_on_timeout=None if acks_on_timeout is None else acks_on_timeout == "1",
     )
 
 
@@ -165,13 +178,7 @@ def make_app(config: AcceptanceConfig) -> Celery:
         task_default_queue=config.queue,
         task_track_started=True,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={
-            "visibility_timeout": config.visibility_timeout,
-            # kombu sweeps unacked messages every interval * throttle seconds
-            # (100 s by default): make a short visibility timeout take effect
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-        },
+        broker_transport_options=_transport_options(config),
         worker_soft_shutdown_timeout=config.soft_shutdown,
         leases_store=config.store,
         leases_store_options=config.store_options,
@@ -189,8 +196,34 @@ def make_app(config: AcceptanceConfig) -> Celery:
         celery_app.conf.broker_write_url = config.broker_write
     if config.pickle:
         celery_app.conf.accept_content = ["json", "pickle"]
+    if config.broker.startswith("amqp"):
+        # a frozen worker's connection is closed within seconds, and its
+        # unacked message goes to another worker
+        celery_app.conf.broker_heartbeat = 2
+    if config.broker.startswith("sqs"):
+        celery_app.conf.worker_enable_remote_control = False  # SQS has no fanout
+    if config.consumer_timeout is not None:
+        celery_app.conf.leases_broker_consumer_timeout = config.consumer_timeout
+    if config.acks_on_timeout is not None:
+        celery_app.conf.task_acks_on_timeout = config.acks_on_timeout
     _register_tasks(celery_app, config)
     return celery_app
+
+
+def _transport_options(config: AcceptanceConfig) -> dict[str, Any]:
+    if config.broker.startswith("amqp"):
+        return {}
+    options: dict[str, Any] = {"visibility_timeout": config.visibility_timeout}
+    if config.broker.startswith("sqs"):
+        # the local server speaks plain HTTP; poll often, so a test waits little
+        options.update(
+            region="us-east-1", is_secure=False, wait_time_seconds=1, polling_interval=0.1
+        )
+    else:
+        # kombu sweeps unacked messages every interval * throttle seconds
+        # (100 s by default): make a short visibility timeout take effect
+        options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
+    return options
 
 
 _side_clients: dict[tuple[int, str], redis.Redis] = {}

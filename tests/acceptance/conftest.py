@@ -3,7 +3,10 @@ real ``celery worker`` processes per test.
 
 Every test gets its own Redis database on the session ``redis_server`` for the
 broker, result backend and side channel (flushed first), its own queue, and
-its own store namespace (Redis key prefix, or SQL table). Worker logs of a
+its own store namespace (Redis key prefix, or SQL table). A test parametrized
+indirectly over ``broker_kind`` (``"amqp"``, ``"sqs"``) has its broker on the
+session's RabbitMQ node or local SQS server instead, each started only when a
+test asks for it; backend and side channel stay on Redis. Worker logs of a
 failed test are shown in its report.
 """
 
@@ -24,6 +27,7 @@ from celery.result import AsyncResult
 from celery_leases import LeaseRecord, LeaseStore, open_store
 from tests.acceptance.app import AcceptanceConfig, make_app
 from tests.acceptance.harness import SideChannel, Worker, wait_until
+from tests.broker_servers import RabbitServer, SqsServer
 from tests.conftest import serve
 from tests.servers import PostgresServer, RedisServer
 
@@ -191,9 +195,42 @@ def store_server() -> Iterator[RedisServer]:
     yield from serve(RedisServer)
 
 
+@pytest.fixture(scope="session")
+def rabbit_server() -> Iterator[RabbitServer]:
+    """A private RabbitMQ node shared by the session (tests use their own queue)."""
+    yield from serve(RabbitServer)
+
+
+@pytest.fixture(scope="session")
+def sqs_server() -> Iterator[SqsServer]:
+    """A local SQS server shared by the session (tests use their own queue)."""
+    yield from serve(SqsServer)
+
+
 @pytest.fixture
-def broker_url(redis_server: RedisServer) -> str:
-    """A flushed Redis database for broker, result backend and side channel."""
+def broker_kind(request: pytest.FixtureRequest) -> str:
+    """Redis by default; parametrize indirectly with ``"amqp"`` or ``"sqs"``."""
+    return str(getattr(request, "param", "redis"))
+
+
+@pytest.fixture
+def broker_url(request: pytest.FixtureRequest, broker_kind: str, redis_db_url: str) -> str:
+    """The broker of the test: the Redis database, or the session's RabbitMQ or SQS."""
+    if broker_kind == "redis":
+        return redis_db_url
+    if broker_kind == "amqp":
+        rabbit: RabbitServer = request.getfixturevalue("rabbit_server")
+        return rabbit.url
+    if broker_kind == "sqs":
+        sqs: SqsServer = request.getfixturevalue("sqs_server")
+        return sqs.url
+    raise AssertionError(f"unknown broker kind {broker_kind!r}")
+
+
+@pytest.fixture
+def redis_db_url(redis_server: RedisServer) -> str:
+    """A flushed Redis database for the result backend and side channel (and
+    the broker, unless the test runs on another one)."""
     db = next(_BROKER_DBS)
     url = f"redis://127.0.0.1:{redis_server.port}/{db}"
     client = redis.Redis.from_url(url)
@@ -208,6 +245,7 @@ def broker_url(redis_server: RedisServer) -> str:
 def cluster(
     request: pytest.FixtureRequest,
     broker_url: str,
+    redis_db_url: str,
     lease_store_target: StoreTarget,
     tmp_path: Path,
     unique: str,
@@ -215,8 +253,8 @@ def cluster(
     """Everything one acceptance test needs; workers stop at teardown."""
     config = AcceptanceConfig(
         broker=broker_url,
-        backend=broker_url,
-        side=broker_url,
+        backend=redis_db_url,
+        side=redis_db_url,
         queue=f"q{unique}",
         store=lease_store_target.url,
         store_options=lease_store_target.options,

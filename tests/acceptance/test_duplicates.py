@@ -1,18 +1,23 @@
 """A duplicate delivery is deferred, never dropped: when the holder dies, the
-deferred copy finishes the job, once."""
+deferred copy finishes the job, once. The main cases run on Redis and on
+RabbitMQ, where a countdown message is held unacknowledged in the worker."""
 
 from __future__ import annotations
 
 import re
+import time
+import uuid
 from typing import Any
 
+import pytest
 from celery.result import AsyncResult
 
 from celery_leases import LeaseState
 from celery_leases.sending import keeping_send_id
-from tests.acceptance.app import STEPS
+from tests.acceptance.app import ECHO, STEPS
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import Worker, wait_until
+from tests.broker_servers import CONSUMER_TIMEOUT
 
 TTL = 2.0
 
@@ -26,7 +31,9 @@ def _holder_and_deferred_duplicate(
     worker that received and deferred the duplicate (B).
     """
     workers = [cluster.worker("a"), cluster.worker("b")]
-    result = cluster.send(STEPS, 4.0)
+    send_id = f"send-{uuid.uuid4().hex}"
+    with keeping_send_id(send_id):
+        result = cluster.send(STEPS, 4.0)
     (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
     generation_a = started_a["generation"]
     # whichever worker took the job is A, the holder; the other is B
@@ -34,7 +41,10 @@ def _holder_and_deferred_duplicate(
         workers, key=lambda w: not started_a["worker"].startswith(f"{w.name}@")
     )
 
-    cluster.send(STEPS, 4.0, task_id=result.id)
+    # the same message again (same task id and send id), as a broker
+    # redelivers it while A runs
+    with keeping_send_id(send_id):
+        cluster.send(STEPS, 4.0, task_id=result.id)
     received = re.escape(f"Task {STEPS}[{result.id}] received")
     # the duplicate, then its re-published copy
     wait_until(
@@ -50,14 +60,19 @@ def _holder_and_deferred_duplicate(
     return result, started_a, worker_a, worker_b
 
 
-def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster) -> None:
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"], indirect=True)
+def test_duplicate_waits_for_killed_holder_then_completes_once(
+    cluster: Cluster, broker_kind: str
+) -> None:
     """Timeline (TTL 2 s, body 4 s)::
 
     A claims generation g and runs the body
-    the same task id is sent again; B receives it, finds the lease held,
-        re-publishes it with a countdown and does not run the body
-    A is killed with SIGKILL (no release: its lease runs out)
-    B's deferred copy claims g+1 (a takeover), runs the body, completes
+    the same message is delivered again; B receives it, finds the lease
+        held, re-publishes it with a countdown and does not run the body
+    A is killed with SIGKILL (no release: its lease runs out); RabbitMQ
+        also gives A's own message to B at once, which B defers as well
+    B's first copy claims g+1 (a takeover), runs the body, completes; a
+        second copy finds the job completed and is skipped
     """
     cluster.configure(ttl=TTL)
     result, started_a, worker_a, worker_b = _holder_and_deferred_duplicate(cluster)
@@ -82,8 +97,14 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(cluster: Cluster)
     assert cluster.side.done_count(result.id) == 1
     succeeded = re.escape(f"Task {STEPS}[{result.id}] succeeded")
     assert len(re.findall(succeeded, worker_a.log() + worker_b.log())) == 1
+    if broker_kind == "amqp":
+        # A's own message came back when its connection closed: the same
+        # run, so it was skipped, not run a second time
+        worker_b.wait_for_log(rf"lease skipped: job={re.escape(result.id)}", timeout=30)
+        assert cluster.side.done_count(result.id) == 1
 
 
+@pytest.mark.parametrize("broker_kind", ["redis", "amqp"], indirect=True)
 def test_delivery_of_completed_job_is_skipped(cluster: Cluster) -> None:
     cluster.configure(ttl=TTL)
     worker = cluster.worker("a")
@@ -126,3 +147,42 @@ def test_takeover_past_limit_fails_job_without_running_it(cluster: Cluster) -> N
     assert type(result.result).__name__ == "TakeoverLimitExceeded"
     assert cluster.side.events(result.id, "start") == [started_a]
     assert cluster.side.done_count(result.id) == 0
+
+
+@pytest.mark.parametrize("broker_kind", ["amqp"], indirect=True)
+def test_a_deferred_copy_does_not_outlive_the_consumer_timeout(cluster: Cluster) -> None:
+    """Timeline (RabbitMQ ``consumer_timeout`` 8 s, checked every second; TTL 20 s)::
+
+    A claims the job and runs its 4 s body
+    the same message again: B finds the lease held for about 20 s more
+        (a countdown of 20 s would keep the copy unacknowledged in B past
+        the consumer timeout: the node would close B's channel with
+        PRECONDITION_FAILED and B would stop consuming)
+    the countdown is capped at half the consumer timeout: B's copy comes
+        back after 4 s at most and is deferred again or skipped
+    A completes; B's next copy finds the job completed and is skipped
+    """
+    cluster.configure(ttl=20.0, consumer_timeout=CONSUMER_TIMEOUT)
+    result, started_a, worker_a, worker_b = _holder_and_deferred_duplicate(cluster)
+    deferred_at = time.monotonic()
+
+    value = result.get(timeout=30)
+    assert value == {"worker": started_a["worker"], "generation": started_a["generation"]}
+    worker_b.wait_for_log(rf"lease skipped: job={re.escape(result.id)}", timeout=30)
+    # past the point where an uncapped copy would have been taken from B
+    time.sleep(max(0.0, deferred_at + CONSUMER_TIMEOUT + 4.0 - time.monotonic()))
+    assert worker_b.alive(), worker_b.log()
+    assert "PRECONDITION_FAILED" not in worker_b.log()
+    assert cluster.side.done_count(result.id) == 1
+    countdowns = [
+        float(found)
+        for found in re.findall(
+            rf"lease deferred: job={re.escape(result.id)} .*countdown=([0-9.]+)", worker_b.log()
+        )
+    ]
+    assert countdowns, worker_b.log()
+    assert max(countdowns) <= CONSUMER_TIMEOUT / 2
+    # B still takes work
+    echo = cluster.send(ECHO, "after")
+    assert echo.get(timeout=30)["value"] == "after"
+    assert worker_a.alive()

@@ -1,4 +1,4 @@
-"""The protocol's worked example with real workers, on every store.
+"""The protocol's worked example with real workers, on every store, and on RabbitMQ.
 
 Timeline (TTL 2 s, broker visibility timeout 3 s)::
 
@@ -19,11 +19,25 @@ from celery.result import AsyncResult
 from celery_leases import LeaseState
 from tests.acceptance.app import STEPS
 from tests.acceptance.conftest import Cluster
+from tests.broker_servers import RabbitServer
+
+#: what the RabbitMQ node logs when it closes a connection that went silent
+MISSED_HEARTBEATS = "missed heartbeats from client"
 
 
-@pytest.mark.parametrize("lease_store_target", ["redis", "postgres", "sqlite"], indirect=True)
-def test_paused_worker_is_fenced_out_and_successor_result_stands(cluster: Cluster) -> None:
+@pytest.mark.parametrize(
+    ("broker_kind", "lease_store_target"),
+    [("redis", "redis"), ("redis", "postgres"), ("redis", "sqlite"), ("amqp", "redis")],
+    indirect=True,
+)
+def test_paused_worker_is_fenced_out_and_successor_result_stands(
+    cluster: Cluster, broker_kind: str, request: pytest.FixtureRequest
+) -> None:
     cluster.configure(visibility_timeout=3.0)
+    rabbit: RabbitServer | None = None
+    if broker_kind == "amqp":
+        rabbit = request.getfixturevalue("rabbit_server")
+        missed_before = rabbit.log().count(MISSED_HEARTBEATS)
     worker_a = cluster.worker("a")
     result = cluster.send(STEPS, 1.5)
     (started,) = cluster.side.wait_event(result.id, "start", timeout=30)
@@ -35,6 +49,9 @@ def test_paused_worker_is_fenced_out_and_successor_result_stands(cluster: Cluste
     record = cluster.wait_record(
         result.id, state=LeaseState.COMPLETED, timeout=40, message="B's completion"
     )
+    if rabbit is not None:
+        # the node let go of A's message because A's heartbeats stopped
+        assert rabbit.log().count(MISSED_HEARTBEATS) > missed_before
     assert record.claimed_at_ms is not None
     generation_b = max(generation_a + 1, record.claimed_at_ms)
     assert record.generation == generation_b
