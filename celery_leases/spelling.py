@@ -18,8 +18,13 @@ from celery_leases.settings import LeaseSettings
 
 __all__ = ["SETTINGS", "misspelled_settings", "misspelled_task_attributes"]
 
-#: settings read outside :class:`LeaseSettings` (the metrics server)
-_OTHER_SETTINGS = ("leases_metrics_port", "leases_metrics_address")
+#: settings read outside :class:`LeaseSettings` (the metrics server, the
+#: broker's consumer timeout)
+_OTHER_SETTINGS = (
+    "leases_metrics_port",
+    "leases_metrics_address",
+    "leases_broker_consumer_timeout",
+)
 
 #: every ``leases_*`` key of ``app.conf`` that celery-leases reads
 SETTINGS: frozenset[str] = frozenset(

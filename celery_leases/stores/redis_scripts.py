@@ -28,7 +28,6 @@ __all__ = [
     "RELEASE_SCRIPT",
     "RENEW_MANY_SCRIPT",
     "RENEW_SCRIPT",
-    "Script",
 ]
 
 # Store time in integer milliseconds from the server's clock, and integer
