@@ -43,6 +43,7 @@ ECHO = "acceptance.echo"
 HEADERS = "acceptance.headers"
 SINGLETON = "acceptance.singleton"
 HOG = "acceptance.hog"
+SLOW_ONCE = "acceptance.slow_once"
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,15 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         _sleep_steps(seconds, 0.05)
         side_channel(config.side).incr(f"side:done:{self.request.id}")
         return value
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=SLOW_ONCE)
+    def slow_once(self: Any, seconds: float) -> dict[str, Any]:
+        """Sleep ``seconds`` on the job's first run only; report who ran it."""
+        runs = side_channel(config.side).incr(f"side:runs:{self.request.id}")
+        _event(config, self, "start", run=runs)
+        if runs == 1:
+            _sleep_steps(seconds, 0.05)
+        side_channel(config.side).incr(f"side:done:{self.request.id}")
+        return {"run": runs, "generation": self.lease.generation}
 
     @celery_app.task(bind=True, shared=False, name=PLAIN_STEPS)
     def plain_steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:

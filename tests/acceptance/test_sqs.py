@@ -1,0 +1,60 @@
+"""SQS through a local server (moto): real workers on kombu's SQS transport.
+
+Timeline (visibility timeout 3 s, TTL 2 s, body 8 s)::
+
+    A receives the job, claims generation g and runs the body
+    t~3     SQS hands the unacknowledged message to B: B finds the lease
+            held and defers the copy (it does not run the body)
+    A is killed with SIGKILL; its message comes back after the visibility
+            timeout, its lease runs out after the TTL
+    one copy claims g+1 (a takeover) and runs the body once; no copy of
+            the same message runs it again
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_leases import LeaseState
+from tests.acceptance.app import STEPS
+from tests.acceptance.conftest import Cluster
+from tests.acceptance.harness import wait_until
+
+
+@pytest.mark.parametrize("broker_kind", ["sqs"], indirect=True)
+def test_visibility_duplicates_are_deferred_and_a_killed_holders_job_runs_once(
+    cluster: Cluster,
+) -> None:
+    cluster.configure(ttl=2.0, visibility_timeout=3.0)
+    workers = [cluster.worker("a"), cluster.worker("b")]
+    result = cluster.send(STEPS, 8.0)
+    (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
+    worker_a, worker_b = sorted(
+        workers, key=lambda w: not started_a["worker"].startswith(f"{w.name}@")
+    )
+    deferred = rf"lease deferred: job={re.escape(result.id)} .*reason=held"
+    wait_until(
+        lambda: re.search(deferred, worker_b.log()),
+        timeout=20,
+        message="B to defer the message SQS delivered again",
+    )
+    assert cluster.side.events(result.id, "start") == [started_a], "B ran a held job"
+
+    worker_a.kill()
+    record = cluster.wait_record(
+        result.id, state=LeaseState.COMPLETED, timeout=60, message="the job to run again"
+    )
+    assert record.takeovers == 1
+    assert record.generation > started_a["generation"]
+    value = AsyncResult(result.id, app=cluster.new_app()).get(timeout=20)
+    assert value["generation"] == record.generation
+    assert value["worker"].startswith(f"{worker_b.name}@")
+    # B's acknowledgement of the copy it deferred deleted the message on
+    # SQS; whatever copy is left is skipped: none runs the body again
+    time.sleep(3.0 + 2.0 + 2.0)
+    assert cluster.side.done_count(result.id) == 1
+    assert len(cluster.side.events(result.id, "start")) == 2
