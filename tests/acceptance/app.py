@@ -384,6 +384,7 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         _sleep_steps(seconds, 0.05)
         side_channel(config.side).incr(f"side:done:{self.request.id}")
         return value
+
     @celery_app.task(base=LeasedTask, bind=True, shared=False, name=SLOW_ONCE)
     def slow_once(self: Any, seconds: float) -> dict[str, Any]:
         """Sleep ``seconds`` on the job's first run only; report who ran it."""
