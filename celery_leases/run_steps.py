@@ -37,6 +37,7 @@ from celery_leases.stores.base import (
     Released,
     ReleaseResult,
 )
+from celery_leases.waiting import held_countdown
 
 __all__ = [
     "UNKNOWN_COMPLETION",
@@ -217,7 +218,7 @@ def defer_held(
     claim: HeldElsewhere,
     defer_max: float,
 ) -> NoReturn:
-    """Publish the message again for when the holder's lease runs out."""
+    """Publish the message again to look at the job in a second, or when its lease runs out."""
     if request.is_eager or request.called_directly:
         raise LeaseHeld(
             f"job {claim.job_id!r} is held by {claim.holder} (generation "
@@ -228,7 +229,7 @@ def defer_held(
             generation=claim.generation,
             remaining=claim.remaining,
         )
-    countdown = min(claim.remaining + random.uniform(0.5, 1.0), defer_max)
+    countdown = held_countdown(claim.remaining, defer_max)
     publish_again(
         task, request, args, kwargs, job_id=claim.job_id, reason="held", countdown=countdown,
         retry_for=defer_max, holder=claim.holder,

@@ -599,3 +599,19 @@ def test_store_handle_is_reopened_in_a_forked_process(make_app: Callable[..., Ce
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+def test_a_named_key_field_is_filled_by_a_positional_argument(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_key="report:{customer_id}:{day}")
+    def build_report(self: LeasedTask, customer_id: int, day: str) -> str:
+        return self.lease.job_id
+
+    with worker(app):
+        assert build_report.delay(42, "2026-12-01").get(timeout=WAIT) == "report:42:2026-12-01"
+        assert build_report.delay(customer_id=43, day="2026-12-01").get(timeout=WAIT) == (
+            "report:43:2026-12-01"
+        )
