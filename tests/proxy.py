@@ -4,6 +4,7 @@ Put it between a client (a worker's store connection) and a server::
 
     proxy = Proxy("127.0.0.1", redis_port)   # listens on 127.0.0.1:proxy.port
     proxy.blackhole()       # connections stay open, nothing gets through
+    proxy.blackhole_established()   # the same for open connections only; new ones pass
     proxy.heal()            # traffic flows again (new and old connections)
     proxy.drop_next_reply() # the next server reply is swallowed, its connection closed
     proxy.drop_reply_to(b"...")     # the same, for the reply to a request holding these bytes
@@ -52,6 +53,7 @@ class Proxy:
         self._silence_marker: bytes | None = None
         self._silenced: set[int] = set()
         self._blackhole_next = False
+        self._holed: set[int] = set()
         self.dropped_replies = 0
         self._connections: list[tuple[socket.socket, socket.socket]] = []
         self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
@@ -63,6 +65,12 @@ class Proxy:
         """Keep connections open and accept new ones, but let nothing through."""
         with self._lock:
             self._blackholed = True
+
+    def blackhole_established(self) -> None:
+        """Black-hole the connections open now (a firewall that forgot them);
+        connections made later pass."""
+        with self._lock:
+            self._holed.update(id(client) for client, _ in self._connections)
 
     def delay(self, seconds: float) -> None:
         """Hold every chunk ``seconds`` before forwarding it (both directions)."""
@@ -118,6 +126,7 @@ class Proxy:
             self._drop_marker = None
             self._silence_marker = None
             self._blackhole_marker = None
+            self._holed.clear()
 
     def cut(self) -> None:
         """Close every open connection (new ones are still accepted)."""
@@ -187,7 +196,8 @@ class Proxy:
                 if not data:
                     break
                 with self._lock:
-                    blackholed, delay = self._blackholed, self._delay
+                    blackholed = self._blackholed or id(pair[0]) in self._holed
+                    delay = self._delay
                     if not replies:
                         self._watch_request(data, pair)
                     silenced = replies and id(pair[0]) in self._silenced

@@ -62,6 +62,11 @@ SQLITE_BUSY_TIMEOUT = 10.0
 #: RETURNING arrived in SQLite 3.35 (UPDATE ... FROM in 3.33)
 MIN_SQLITE_VERSION = (3, 35, 0)
 
+#: seconds the client waits for a reply beyond the server's own limits
+#: (``statement_timeout``, ``lock_timeout``): on a live connection the
+#: server's error comes first and the connection stays usable
+REPLY_MARGIN = 0.5
+
 #: engines of open stores; a forked child must not reuse their connections
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
@@ -228,10 +233,11 @@ _wait_limit: ContextVar[float | None] = ContextVar("celery_leases_sql_wait", def
 
 
 @contextlib.contextmanager
-def store_waits(limit: float) -> Iterator[None]:
-    """Inside: each wait for a PostgreSQL reply ends after ``limit`` seconds
-    (or at the deadline of an enclosing :func:`~celery_leases.stores.deadline.bounded`)."""
-    token = _wait_limit.set(limit)
+def store_waits(timeout: float) -> Iterator[None]:
+    """Inside: each wait for a PostgreSQL reply ends after ``timeout`` plus
+    :data:`REPLY_MARGIN` seconds, or at the deadline of an enclosing
+    :func:`~celery_leases.stores.deadline.bounded` if that comes first."""
+    token = _wait_limit.set(timeout + REPLY_MARGIN)
     try:
         yield
     finally:

@@ -1,0 +1,212 @@
+"""Every call of the SQL store is bounded: dead pooled connections, held locks.
+
+A real PostgreSQL behind tests/proxy.py. ``blackhole_established()`` makes
+the connections open now go silent (a firewall or NAT that forgot them)
+while new connections pass, as after a failover behind a virtual IP. The
+proxy acknowledges every packet, so no TCP timeout can see it: only the
+store's own bound on each wait can.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+import sqlalchemy as sa
+
+from celery_leases import Acquired, Completed, Released, Renewed, RenewRequest, StoreUnavailable
+from celery_leases.stores.deadline import bounded
+from celery_leases.stores.sql import SqlStore
+from tests.operations import every_operation
+from tests.proxy import Proxy
+from tests.servers import PostgresServer
+
+A = "worker-a"
+T = TypeVar("T")
+
+#: a call that hangs is given this long before the test calls it hung
+HUNG = 40.0
+
+
+@pytest.fixture
+def proxy(postgres_server: PostgresServer) -> Iterator[Proxy]:
+    with Proxy("127.0.0.1", postgres_server.port) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def proxied_url(postgres_server: PostgresServer, proxy: Proxy) -> str:
+    return postgres_server.url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+
+
+def timed(call: Callable[[], T]) -> tuple[float, T | BaseException]:
+    """Run ``call`` on a thread; (seconds it took, its result or error).
+
+    Fails the test if it has not returned after HUNG seconds (the thread is
+    left behind, as a hung worker thread would be).
+    """
+    outcome: list[T | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as error:  # handed to the test
+            outcome.append(error)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HUNG)
+    took = time.monotonic() - started
+    assert outcome, f"the call still hangs after {took:.0f} s"
+    return took, outcome[0]
+
+
+def test_a_claim_on_a_silently_dead_pooled_connection_recovers_on_a_fresh_one(
+    proxied_url: str, proxy: Proxy, unique: str
+) -> None:
+    # the store's defaults: a 5 s limit on each wait
+    store = SqlStore.from_url(proxied_url, table_name=f"leases_{unique}")
+    try:
+        assert isinstance(store.claim("warm", A, 30), Acquired)  # a pooled connection
+        proxy.blackhole_established()
+        took, result = timed(lambda: store.claim("job", A, 30))
+        assert isinstance(result, Acquired), result
+        # the ping on the dead connection waited out its limit, then a new
+        # connection claimed
+        assert took < 5.0 + 10.0
+        took, result = timed(lambda: store.claim("next", A, 30))
+        assert isinstance(result, Acquired)
+        assert took < 2.0  # the dead connections are gone from the pool
+    finally:
+        store.close()
+
+
+def test_every_operation_returns_in_time_when_its_pooled_connection_goes_silent(
+    proxied_url: str, proxy: Proxy, unique: str
+) -> None:
+    store = SqlStore.from_url(proxied_url, table_name=f"leases_{unique}", timeout=1.0)
+    try:
+        acquired = store.claim("job", A, 60)
+        assert isinstance(acquired, Acquired)
+        for name, call in every_operation(store, "job", A, acquired.generation, 60).items():
+            proxy.blackhole_established()
+            took, result = timed(call)
+            # a ping that times out, a fresh connection, the statement
+            assert took < 1.0 + 8.0, name
+            assert not isinstance(result, BaseException), (name, result)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def unpinged_store(proxied_url: str, unique: str) -> Iterator[SqlStore]:
+    """A store on an engine without pool_pre_ping: the statement itself meets
+    the dead connection."""
+    engine = sa.create_engine(proxied_url, pool_pre_ping=False)
+    store = SqlStore(engine, table_name=f"leases_{unique}", timeout=1.0)
+    yield store
+    engine.dispose()
+
+
+def test_a_completion_whose_connection_went_silent_is_tried_again_on_a_fresh_one(
+    unpinged_store: SqlStore, proxy: Proxy
+) -> None:
+    store = unpinged_store
+    acquired = store.claim("job", A, 60)
+    assert isinstance(acquired, Acquired)
+    proxy.blackhole_established()
+    took, result = timed(lambda: store.complete("job", A, acquired.generation))
+    assert isinstance(result, Completed), result
+    assert took < 1.0 + 6.0
+
+
+def test_a_renewal_whose_connection_went_silent_is_tried_again_on_a_fresh_one(
+    unpinged_store: SqlStore, proxy: Proxy
+) -> None:
+    store = unpinged_store
+    acquired = store.claim("job", A, 60)
+    assert isinstance(acquired, Acquired)
+    proxy.blackhole_established()
+    request = RenewRequest("job", A, acquired.generation, 60)
+    took, result = timed(lambda: store.renew_many([request]))
+    assert not isinstance(result, BaseException), result
+    assert [type(r) for r in result] == [Renewed]
+    assert took < 1.0 + 6.0
+
+
+def test_a_claim_whose_connection_went_silent_is_not_sent_again(
+    unpinged_store: SqlStore, proxy: Proxy
+) -> None:
+    # the claim may have been applied: a second one would find itself the
+    # holder. It is unavailable, and the next call gets a fresh connection.
+    store = unpinged_store
+    assert isinstance(store.claim("warm", A, 60), Acquired)
+    proxy.blackhole_established()
+    took, result = timed(lambda: store.claim("job", A, 60))
+    assert isinstance(result, StoreUnavailable), result
+    assert "no reply from the database within 1.5 s" in str(result)
+    assert took < 1.0 + 3.0
+    took, result = timed(lambda: store.claim("other", A, 60))
+    assert isinstance(result, Acquired), result
+
+
+def test_a_release_whose_connection_went_silent_is_not_sent_again(
+    unpinged_store: SqlStore, proxy: Proxy
+) -> None:
+    store = unpinged_store
+    acquired = store.claim("job", A, 60)
+    assert isinstance(acquired, Acquired)
+    proxy.blackhole_established()
+    took, result = timed(lambda: store.release("job", A, acquired.generation))
+    assert isinstance(result, StoreUnavailable), result
+    assert took < 1.0 + 3.0
+
+
+def test_a_renewal_gives_up_at_its_callers_deadline(
+    proxied_url: str, proxy: Proxy, unique: str
+) -> None:
+    # the store's limit is 5 s a wait; the heartbeat's deadline is sooner
+    store = SqlStore.from_url(proxied_url, table_name=f"leases_{unique}")
+    try:
+        acquired = store.claim("job", A, 60)
+        assert isinstance(acquired, Acquired)
+        proxy.blackhole_established()
+        request = RenewRequest("job", A, acquired.generation, 60)
+
+        def renew_within_half_a_second() -> object:
+            with bounded(0.5):
+                return store.renew_many([request])
+
+        took, result = timed(renew_within_half_a_second)
+        assert isinstance(result, StoreUnavailable), result
+        # the deadline, plus at most one connection attempt that fits before it
+        assert took < 0.5 + 2.5
+    finally:
+        store.close()
+
+
+def test_a_statement_waiting_on_a_row_lock_ends_at_the_servers_limit(
+    postgres_server: PostgresServer, unique: str
+) -> None:
+    store = SqlStore.from_url(postgres_server.url, table_name=f"leases_{unique}", timeout=1.0)
+    blocker = sa.create_engine(postgres_server.url)
+    try:
+        acquired = store.claim("job", A, 60)
+        assert isinstance(acquired, Acquired)
+        with blocker.begin() as conn:
+            # another transaction holds the record's row lock
+            conn.execute(sa.text(f"SELECT 1 FROM leases_{unique} WHERE job_id = 'job' FOR UPDATE"))  # noqa: S608  (a test table name)
+            took, result = timed(lambda: store.renew("job", A, acquired.generation, 60))
+            assert isinstance(result, StoreUnavailable), result
+            # lock_timeout and statement_timeout are equal: either may end it
+            assert "lock timeout" in str(result) or "statement timeout" in str(result)
+            assert took < 1.0 + 3.0
+        # the lock is gone and the same store carries on
+        assert isinstance(store.release("job", A, acquired.generation), Released)
+    finally:
+        store.close()
+        blocker.dispose()
