@@ -33,11 +33,11 @@ def _tools() -> tuple[str, str]:
     return spin, cc
 
 
-def verify(tmp_path: Path, *defines: str) -> subprocess.CompletedProcess[str]:
-    """Generate, build and run the verifier of the model with ``defines``."""
+def verify(tmp_path: Path, *defines: str, source: Path = MODEL) -> subprocess.CompletedProcess[str]:
+    """Generate, build and run the verifier of the model ``source`` with ``defines``."""
     spin, cc = _tools()
-    model = tmp_path / MODEL.name
-    shutil.copy(MODEL, model)
+    model = tmp_path / source.name
+    shutil.copy(source, model)
     flags = [f"-D{name}" for name in defines]
     subprocess.run([spin, "-a", *flags, model.name], cwd=tmp_path, check=True, timeout=60)
     subprocess.run([cc, *_PAN_FLAGS, "-o", "pan", "pan.c"], cwd=tmp_path, check=True, timeout=90)
