@@ -225,14 +225,11 @@ class Lease:
         try:
             result = self.store.renew(self.job_id, self.owner, self.generation, self.timing.ttl)
         except StoreUnavailable as exc:
-            raise LeaseLost(
+            raise self._lost_error(
                 f"could not renew the lease on job {self.job_id!r} (generation "
                 f"{self.generation}) to secure {min_remaining:g} s: the lease store is "
                 "unavailable; stop before the next external effect",
-                job_id=self.job_id,
-                owner=self.owner,
-                generation=self.generation,
-                reason="unavailable",
+                "unavailable",
             ) from exc
         self.apply_renewal(started, result)
         self.check()
@@ -304,14 +301,11 @@ class Lease:
         with self._lock:
             self._finished = True
             if self._lost is None:
-                self._lost = LeaseLost(
+                self._lost = self._lost_error(
                     f"the lease on job {self.job_id!r} (generation {self.generation}) was "
                     f"handed over ({how}) to the run this one sent; this run must not "
                     "produce effects any more",
-                    job_id=self.job_id,
-                    owner=self.owner,
-                    generation=self.generation,
-                    reason="handed-over",
+                    "handed-over",
                 )
 
     @property
@@ -390,15 +384,22 @@ class Lease:
 
     # -- helpers -------------------------------------------------------------
 
-    def _deadline_error(self) -> LeaseLost:
+    def _lost_error(self, message: str, reason: str) -> LeaseLost:
+        """A :class:`LeaseLost` naming this lease's job, owner and generation."""
         return LeaseLost(
-            f"the lease on job {self.job_id!r} (generation {self.generation}) passed its "
-            "local safe deadline without a renewal; another worker may hold the job now, "
-            "so stop producing effects",
+            message,
             job_id=self.job_id,
             owner=self.owner,
             generation=self.generation,
-            reason="deadline",
+            reason=reason,
+        )
+
+    def _deadline_error(self) -> LeaseLost:
+        return self._lost_error(
+            f"the lease on job {self.job_id!r} (generation {self.generation}) passed its "
+            "local safe deadline without a renewal; another worker may hold the job now, "
+            "so stop producing effects",
+            "deadline",
         )
 
     @staticmethod

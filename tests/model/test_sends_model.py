@@ -9,12 +9,11 @@ each broken variant of it must give a counterexample that spin replays.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.model.test_spin import _tools, errors_of, verify
+from tests.model.test_spin import assert_trail_replays, errors_of, verify
 
 MODEL = Path(__file__).resolve().parents[2] / "model" / "sends.pml"
 
@@ -47,14 +46,4 @@ def test_a_broken_send_id_rule_gives_a_counterexample(tmp_path: Path, variant: s
     assert errors_of(result) >= 1, result.stdout
     # a skipped delivery answered with another send's outcome
     assert "assertion violated (done_by==m)" in result.stdout, result.stdout
-    trail = tmp_path / f"{MODEL.name}.trail"
-    assert trail.exists(), "the verifier wrote no counterexample trail"
-    spin, _ = _tools()
-    replay = subprocess.run(
-        [spin, "-t", f"-D{variant}", MODEL.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "assertion violated" in replay.stdout, replay.stdout
+    assert_trail_replays(tmp_path, variant, MODEL)

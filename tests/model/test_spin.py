@@ -52,6 +52,22 @@ def errors_of(result: subprocess.CompletedProcess[str]) -> int:
     return int(match.group(1))
 
 
+def assert_trail_replays(tmp_path: Path, variant: str, source: Path = MODEL) -> None:
+    """The verifier wrote a counterexample trail, and spin replays it to the
+    violated assertion (the steps that lead there)."""
+    trail = tmp_path / f"{source.name}.trail"
+    assert trail.exists(), "the verifier wrote no counterexample trail"
+    spin, _ = _tools()
+    replay = subprocess.run(
+        [spin, "-t", f"-D{variant}", source.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "assertion violated" in replay.stdout, replay.stdout
+
+
 def test_the_protocol_model_verifies_for_every_interleaving(tmp_path: Path) -> None:
     result = verify(tmp_path)
     assert errors_of(result) == 0, result.stdout
@@ -79,15 +95,4 @@ def test_a_broken_variant_gives_a_counterexample(
     result = verify(tmp_path, variant)
     assert errors_of(result) >= 1, result.stdout
     assert f"assertion violated ({violated})" in result.stdout, result.stdout
-    trail = tmp_path / f"{MODEL.name}.trail"
-    assert trail.exists(), "the verifier wrote no counterexample trail"
-    # the trail replays: spin prints the steps that lead to the violation
-    spin, _ = _tools()
-    replay = subprocess.run(
-        [spin, "-t", f"-D{variant}", MODEL.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "assertion violated" in replay.stdout, replay.stdout
+    assert_trail_replays(tmp_path, variant)
