@@ -19,11 +19,12 @@ from celery_leases.settings import LeaseSettings
 __all__ = ["SETTINGS", "misspelled_settings", "misspelled_task_attributes"]
 
 #: settings read outside :class:`LeaseSettings` (the metrics server, the
-#: broker's consumer timeout)
+#: broker's consumer timeout, keeping leased messages invisible on the broker)
 _OTHER_SETTINGS = (
     "leases_metrics_port",
     "leases_metrics_address",
     "leases_broker_consumer_timeout",
+    "leases_broker_keep_invisible",
 )
 
 #: every ``leases_*`` key of ``app.conf`` that celery-leases reads

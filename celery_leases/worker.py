@@ -32,6 +32,12 @@ from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from celery_leases.broker_checks import broker_warnings
+from celery_leases.broker_visibility import (
+    enable,
+    keep_invisible,
+    visibility_timeout,
+    visibility_warnings,
+)
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.metrics import install_metrics
 from celery_leases.redact import mask, secrets_of
@@ -59,9 +65,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("celery_leases")
-
-#: transports that redeliver an unacked message after ``visibility_timeout``
-_VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs", "sentinel")
 
 #: seconds the start check waits for the store. Above the Redis store's own
 #: 5 s socket timeouts, so their clearer StoreUnavailable arrives first.
@@ -132,6 +135,8 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
         pool = str(getattr(parent, "pool_cls", "") or kwargs.get("pool", "") or "")
         for warning in check_app(app, pool=pool):
             logger.warning(warning)
+        if keep_invisible(app):
+            enable(app)  # before the pool forks: every pool process inherits it
 
 
 def check_app(
@@ -172,7 +177,9 @@ def check_app(
         store_warning = None
     if store_warning is not None:
         warnings.append(store_warning)
-    visibility = _visibility_timeout(app)
+    # with leases_broker_keep_invisible, renewals keep a run's message
+    # invisible: a run may outlast the visibility timeout
+    visibility = None if keep_invisible(app) else visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
     for task in list(app.tasks.values()):
         if not isinstance(task, LeasedTask):
@@ -186,6 +193,7 @@ def check_app(
             errors.append(str(exc))
     leased = [task for task in list(app.tasks.values()) if isinstance(task, LeasedTask)]
     warnings.extend(broker_warnings(app, leased))
+    warnings.extend(visibility_warnings(app, leased))
     return warnings
 
 
@@ -218,15 +226,16 @@ def _check_task(
         warnings.append(
             f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
             f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
-            "again and deferred over and over; raise broker_transport_options"
-            "['visibility_timeout'] well above your longest run"
+            "again and deferred over and over; set leases_broker_keep_invisible = True, or "
+            "raise broker_transport_options['visibility_timeout'] well above your longest run"
         )
     time_limit = task.time_limit or app.conf.task_time_limit
     if visibility is not None and time_limit and time_limit > visibility:
         warnings.append(
             f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
             f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
-            "delivered again while it runs; the copy is deferred, not run, but raise "
+            "delivered again while it runs; the copy is deferred, not run, but set "
+            "leases_broker_keep_invisible = True, or raise "
             "broker_transport_options['visibility_timeout'] above the time limit"
         )
     if not task.reject_on_worker_lost:
@@ -302,18 +311,6 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
             "leases_store_options (or --leases-store)"
         ) from cause
     raise error
-
-
-def _visibility_timeout(app: Any) -> float | None:
-    url = str(app.conf.broker_url or "")
-    if url.split("://", 1)[0].lower() not in _VISIBILITY_TRANSPORTS:
-        return None
-    options = app.conf.broker_transport_options or {}
-    value = options.get("visibility_timeout", 3600)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 # a LeasedTask bound to an app installs this module's options and bootstep

@@ -78,6 +78,8 @@ class AcceptanceConfig:
         consumer_timeout: ``leases_broker_consumer_timeout`` (RabbitMQ), or
             None for the default.
         acks_on_timeout: ``task_acks_on_timeout``, or None for Celery's default.
+        keep_invisible: ``leases_broker_keep_invisible`` (renewals keep the
+            running message invisible on a Redis or SQS broker).
     """
 
     broker: str
@@ -99,6 +101,7 @@ class AcceptanceConfig:
     pickle: bool = False
     consumer_timeout: float | None = None
     acks_on_timeout: bool | None = None
+    keep_invisible: bool = False
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -131,6 +134,8 @@ class AcceptanceConfig:
             env["LEASES_TEST_CONSUMER_TIMEOUT"] = str(self.consumer_timeout)
         if self.acks_on_timeout is not None:
             env["LEASES_TEST_ACKS_ON_TIMEOUT"] = "1" if self.acks_on_timeout else "0"
+        if self.keep_invisible:
+            env["LEASES_TEST_KEEP_INVISIBLE"] = "1"
         return env
 
 
@@ -167,6 +172,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         pickle=env.get("LEASES_TEST_PICKLE") == "1",
         consumer_timeout=float(consumer_timeout) if consumer_timeout else None,
         acks_on_timeout=None if acks_on_timeout is None else acks_on_timeout == "1",
+        keep_invisible=env.get("LEASES_TEST_KEEP_INVISIBLE") == "1",
     )
 
 
@@ -207,6 +213,8 @@ def make_app(config: AcceptanceConfig) -> Celery:
         celery_app.conf.leases_broker_consumer_timeout = config.consumer_timeout
     if config.acks_on_timeout is not None:
         celery_app.conf.task_acks_on_timeout = config.acks_on_timeout
+    if config.keep_invisible:
+        celery_app.conf.leases_broker_keep_invisible = True
     _register_tasks(celery_app, config)
     return celery_app
 

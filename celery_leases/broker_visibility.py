@@ -1,0 +1,404 @@
+"""Keep a leased message invisible on the broker while its lease is renewed.
+
+The Redis and SQS brokers hand an unacknowledged message to another worker
+once their ``visibility_timeout`` has passed since it was delivered, however
+alive the run that holds it. With ``leases_broker_keep_invisible = True``,
+every accepted renewal of a lease also pushes that moment forward for the
+message the run came from:
+
+- Redis (kombu's ``redis``, ``rediss`` and ``sentinel`` transports): the
+  message's delivery tag in the transport's unacked index (the sorted set
+  ``unacked_index``, with ``global_keyprefix`` and the ``unacked_index_key``
+  transport option applied) gets the worker's current time as its score,
+  with ``ZADD XX``: a message acknowledged meanwhile is not put back.
+  Nothing else is written (the ``unacked`` hash is left alone).
+- SQS: ``ChangeMessageVisibility`` on the delivery's receipt handle, for
+  the transport's ``visibility_timeout`` (rounded up to whole seconds).
+
+So ``visibility_timeout`` no longer has to exceed the longest run: it only
+has to outlast two renew intervals (the start checks refuse less), and a
+job whose worker died comes back one visibility timeout after its last
+renewal instead of hours later::
+
+    claim ─ extend ── renew ─ extend ── renew ─ extend ── (worker killed)
+    broker: invisible ......................................... visible again
+                                                 └── visibility_timeout ──┘
+
+A lease that is lost (refused renewal, passed deadline) is renewed no more,
+so its message is extended no more. Extensions run on a thread of their
+own (:class:`Extender`), never on the heartbeat's: a renewal only queues
+one, a broker that hangs delays nothing but the next extension, each call
+is bounded by socket timeouts (:data:`CALL_TIMEOUT`), and a failure is
+logged, never raised. Messages a worker holds before their run claims a
+lease (prefetched, or waiting for a countdown) are not extended.
+
+The renewal happens in the process that runs the task (a prefork child),
+which has no consumer connection of its own, so each process opens one
+broker connection for extensions, lazily, anew after a fork.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from celery_leases import signals
+from celery_leases.errors import LeaseConfigurationError
+from celery_leases.lease import Lease
+
+__all__ = [
+    "CALL_TIMEOUT",
+    "SETTING",
+    "Delivery",
+    "Extender",
+    "delivery_of",
+    "enable",
+    "keep_invisible",
+    "process_extender",
+    "visibility_timeout",
+    "visibility_warnings",
+]
+
+logger = logging.getLogger("celery_leases")
+
+#: the setting that turns extensions on
+SETTING = "leases_broker_keep_invisible"
+
+#: seconds one extension may wait on the broker (socket and HTTP timeouts)
+CALL_TIMEOUT = 5.0
+
+#: broker URL schemes of kombu's Redis transport, and of SQS
+_REDIS_SCHEMES = ("redis", "rediss", "sentinel")
+_SQS_SCHEMES = ("sqs",)
+
+#: kombu's own visibility timeouts when the transport option is not set
+_DEFAULT_VISIBILITY = {"redis": 3600.0, "sqs": 1800.0}
+
+
+def _transport(app: Any) -> str | None:
+    """``"redis"``, ``"sqs"`` or None: the transport ``app`` consumes from."""
+    url = str(app.conf.broker_read_url or app.conf.broker_url or "")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in _REDIS_SCHEMES:
+        return "redis"
+    if scheme in _SQS_SCHEMES:
+        return "sqs"
+    return None
+
+
+def keep_invisible(app: Any) -> bool:
+    """Whether ``app`` asks for extensions (``leases_broker_keep_invisible``).
+
+    Raises:
+        LeaseConfigurationError: the setting is not a boolean.
+    """
+    value = app.conf.get(SETTING)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise LeaseConfigurationError(
+            f"{SETTING} must be True or False, got {value!r}: set it to True to keep a "
+            "leased message invisible on a Redis or SQS broker while its lease is renewed"
+        )
+    return value
+
+
+def visibility_timeout(app: Any) -> float | None:
+    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker)."""
+    transport = _transport(app)
+    if transport is None:
+        return None
+    options = app.conf.broker_transport_options or {}
+    value = options.get("visibility_timeout", _DEFAULT_VISIBILITY[transport])
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
+    """Start checks of ``leases_broker_keep_invisible`` for ``app``'s leased ``tasks``.
+
+    Returns:
+        Warnings worth logging (the setting has no effect on this broker).
+
+    Raises:
+        LeaseConfigurationError: the setting is not a boolean, or a task
+            renews too rarely for the visibility timeout.
+    """
+    if not keep_invisible(app):
+        return []
+    timeout = visibility_timeout(app)
+    if timeout is None:
+        return [
+            f"{SETTING} is set but the broker is neither Redis nor SQS: it has no effect "
+            "there (only those brokers hand a message out again after a visibility timeout)"
+        ]
+    for task in tasks:
+        interval = task.lease_timing().renew_interval
+        if interval >= timeout / 2:
+            raise LeaseConfigurationError(
+                f"task {task.name!r} renews its lease every {interval:g} s, but with "
+                f"{SETTING} a renewal must come at least twice per visibility timeout "
+                f"({timeout:g} s), or the broker hands its message out between two: lower "
+                "the task's lease ttl or renew interval, or raise "
+                "broker_transport_options['visibility_timeout']"
+            )
+    return []
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a message sits on the broker while it is unacknowledged.
+
+    Attributes:
+        tag: the delivery tag (Redis) or the receipt handle (SQS).
+        queue_url: the SQS queue's URL (None on Redis).
+    """
+
+    tag: str
+    queue_url: str | None = None
+
+
+def delivery_of(request: Any, transport: str) -> Delivery | None:
+    """The :class:`Delivery` of a task request's message (None: none known).
+
+    kombu keeps the delivery tag in the message's properties; on SQS it is
+    the receipt handle, and ``delivery_info['sqs_queue']`` is the queue URL.
+    An eager or direct call has no message.
+    """
+    properties = getattr(request, "properties", None) or {}
+    tag = properties.get("delivery_tag")
+    if not isinstance(tag, str) or not tag:
+        return None
+    if transport == "sqs":
+        info = properties.get("delivery_info") or {}
+        queue_url = info.get("sqs_queue")
+        if not isinstance(queue_url, str) or not queue_url:
+            return None
+        return Delivery(tag, queue_url)
+    return Delivery(tag)
+
+
+class _Broker:
+    """One broker connection of this process for extensions, opened on first use."""
+
+    def __init__(self, app: Any, transport: str) -> None:
+        self.app = app
+        self.transport = transport
+        self._connection: Any = None
+        self._channel: Any = None
+
+    def _open(self) -> Any:
+        if self._channel is None:
+            options = dict(self.app.conf.broker_transport_options or {})
+            # a broker that is down costs one try, not kombu's endless retries
+            options.update(max_retries=1, connect_retries_timeout=CALL_TIMEOUT)
+            if self.transport == "redis":
+                options.update(socket_timeout=CALL_TIMEOUT, socket_connect_timeout=CALL_TIMEOUT)
+            else:
+                config = dict(options.get("client-config") or {})
+                config.update(
+                    connect_timeout=CALL_TIMEOUT,
+                    read_timeout=CALL_TIMEOUT,
+                    retries={"max_attempts": 1},
+                )
+                options["client-config"] = config
+            self._connection = self.app.connection_for_read(transport_options=options)
+            self._channel = self._connection.default_channel
+        return self._channel
+
+    def extend(self, delivery: Delivery) -> bool:
+        """Push the message's visibility forward; returns whether it was still there."""
+        channel = self._open()
+        if self.transport == "redis":
+            changed = channel.client.zadd(
+                channel.unacked_index_key, {delivery.tag: time.time()}, xx=True, ch=True
+            )
+            return bool(changed)
+        client = channel.sqs(queue=_predefined_name(channel, delivery.queue_url))
+        client.change_message_visibility(
+            QueueUrl=delivery.queue_url,
+            ReceiptHandle=delivery.tag,
+            VisibilityTimeout=math.ceil(channel.visibility_timeout),
+        )
+        return True
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            try:
+                connection.release()
+            except Exception:  # a broken connection is dropped either way
+                logger.debug("closing the broker connection for extensions failed", exc_info=True)
+
+
+def _predefined_name(channel: Any, queue_url: str | None) -> str | None:
+    # a predefined queue has a client of its own (region, credentials)
+    for name, queue in (channel.predefined_queues or {}).items():
+        if queue.get("url") == queue_url:
+            return str(name)
+    return None
+
+
+@dataclass
+class _Watched:
+    broker: _Broker
+    delivery: Delivery
+
+
+class Extender:
+    """Extends the visibility of leased messages on a thread of its own.
+
+    :meth:`request` never waits: it notes the latest wish per lease and wakes
+    the thread, so a broker that hangs cannot hold whoever asked.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._watched: weakref.WeakKeyDictionary[Lease, _Watched] = weakref.WeakKeyDictionary()
+        self._pending: dict[int, Lease] = {}
+        self._brokers: dict[int, _Broker] = {}
+        self._thread: threading.Thread | None = None
+        self.pid = os.getpid()
+        #: extensions applied, and tries that failed (for tests and operators)
+        self.extended = 0
+        self.failed = 0
+
+    def watch(self, lease: Lease, app: Any, delivery: Delivery) -> None:
+        """Extend ``delivery``'s visibility at each renewal of ``lease``, and now."""
+        transport = _transport(app)
+        if transport is None:
+            return
+        with self._lock:
+            broker = self._brokers.get(id(app))
+            if broker is None or broker.app is not app:
+                broker = self._brokers[id(app)] = _Broker(app, transport)
+            self._watched[lease] = _Watched(broker, delivery)
+        # a message that waited for a countdown was delivered a while ago:
+        # its visibility runs from then, not from the claim
+        self.request(lease)
+
+    def request(self, lease: Lease) -> None:
+        """Queue an extension for ``lease``'s message, if it is watched."""
+        with self._lock:
+            if lease not in self._watched:
+                return
+            self._pending[id(lease)] = lease
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-leases-visibility", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def forget(self, lease: Lease) -> None:
+        """Extend ``lease``'s message no more (the run has ended)."""
+        with self._lock:
+            self._watched.pop(lease, None)
+            self._pending.pop(id(lease), None)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                pending = list(self._pending.values())
+                self._pending.clear()
+            for lease in pending:
+                self._extend(lease)
+
+    def _extend(self, lease: Lease) -> None:
+        with self._lock:
+            watched = self._watched.get(lease)
+        # a lost lease must not keep its message from the next worker
+        if watched is None or lease.lost or lease.finished:
+            return
+        try:
+            present = watched.broker.extend(watched.delivery)
+        except Exception as exc:
+            self.failed += 1
+            watched.broker.close()  # the next try opens a fresh connection
+            logger.warning(
+                "could not keep the message of job %r invisible on the broker: %r; it may "
+                "be delivered again after the visibility timeout",
+                lease.job_id,
+                exc,
+            )
+            return
+        self.extended += 1
+        if not present:
+            # acknowledged, or handed out again already: nothing to extend
+            self.forget(lease)
+
+
+_process_lock = threading.Lock()
+_process_extender: Extender | None = None
+_enabled_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def process_extender() -> Extender:
+    """This process's :class:`Extender`, made anew after a fork."""
+    global _process_extender
+    with _process_lock:
+        if _process_extender is None or _process_extender.pid != os.getpid():
+            _process_extender = Extender()
+        return _process_extender
+
+
+def _on_claimed(sender: Any, lease: Lease | None = None, **_: Any) -> None:
+    if lease is None:
+        return
+    app = sender._get_app()
+    if app not in _enabled_apps:
+        return
+    transport = _transport(app)
+    delivery = delivery_of(sender.request, transport) if transport else None
+    if delivery is not None:
+        process_extender().watch(lease, app, delivery)
+
+
+def _on_renewed(sender: Any, lease: Lease | None = None, **_: Any) -> None:
+    if lease is not None:
+        process_extender().request(lease)
+
+
+def _on_ended(sender: Any, lease: Lease | None = None, **_: Any) -> None:
+    if lease is not None:
+        process_extender().forget(lease)
+
+
+def enable(app: Any) -> None:
+    """Extend the visibility of ``app``'s leased messages from now on (idempotent).
+
+    The worker's bootstep calls it when ``leases_broker_keep_invisible`` is
+    set, before the pool forks, so every pool process inherits it.
+    """
+    _enabled_apps.add(app)
+    uid = "celery_leases.broker_visibility"
+    signals.lease_claimed.connect(_on_claimed, weak=False, dispatch_uid=f"{uid}.claimed")
+    signals.lease_renewed.connect(_on_renewed, weak=False, dispatch_uid=f"{uid}.renewed")
+    for signal in (
+        signals.lease_completed,
+        signals.lease_released,
+        signals.lease_lost,
+        signals.lease_fenced_out,
+    ):
+        signal.connect(_on_ended, weak=False, dispatch_uid=f"{uid}.{signal.name}")
+
+
+def _forget_after_fork() -> None:
+    global _process_lock, _process_extender
+    _process_lock = threading.Lock()
+    _process_extender = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,118 @@
+"""``leases_broker_keep_invisible``: renewals keep a running message invisible.
+
+Two real prefork workers on one queue, visibility timeout 2 s, lease TTL
+1.5 s (a renewal every 0.5 s), on kombu's Redis transport and on SQS (a
+local server)::
+
+    A receives the job and runs a body of 6 s (3 x the visibility timeout)
+    without the setting: t~2 s the broker hands the message to B, which
+        finds the lease held and defers a copy; again at t~4 s ...
+    with it: every renewal pushes the message's visibility forward; B never
+        sees it, and A's run is its only delivery
+
+A killed worker: A is SIGKILLed mid-run (with its pool child). Its lease is
+renewed no more, so its message is extended no more: the broker hands it to
+B one visibility timeout after the last extension, and B's claim succeeds
+once the lease ran out, one TTL after the last renewal. ``pytest -s``
+prints the figures (docs/performance.md).
+
+Deliveries are counted from the workers' logs: every delivery logs
+``Task <name>[<id>] received``, and every deferral publishes one new copy;
+a delivery beyond the first of each message is the broker's redelivery.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from celery_leases import LeaseState
+from tests.acceptance.app import STEPS
+from tests.acceptance.conftest import Cluster
+
+VISIBILITY = 2.0
+TTL = 1.5
+BODY = 3 * VISIBILITY
+#: kombu's Redis transport looks for visible messages once a second here
+#: (``unacked_restore_interval``, tests/acceptance/app.py); SQS needs no sweep
+SWEEP = {"redis": 1.0, "sqs": 0.0}
+#: the broker's delivery and the worker's poll (SQS long-polls 1 s)
+DELIVERY_SLACK = 1.5
+
+
+def _deliveries(cluster: Cluster, job_id: str) -> tuple[int, int]:
+    """(messages received, deferrals) for ``job_id`` over every worker's log."""
+    received = deferred = 0
+    job = re.escape(job_id)
+    for worker in cluster.workers:
+        log = worker.log()
+        received += len(re.findall(rf"Task {re.escape(STEPS)}\[{job}\] received", log))
+        deferred += len(re.findall(rf"lease deferred: job={job} ", log))
+    return received, deferred
+
+
+def _run_one_long_job(cluster: Cluster, *, keep_invisible: bool) -> tuple[int, int]:
+    cluster.configure(ttl=TTL, visibility_timeout=VISIBILITY, keep_invisible=keep_invisible)
+    cluster.worker("a")
+    cluster.worker("b")
+    result = cluster.send(STEPS, BODY)
+    cluster.wait_record(
+        result.id, state=LeaseState.COMPLETED, timeout=BODY + 30, message="the job to complete"
+    )
+    # a copy deferred last comes back within its countdown: let it be seen
+    time.sleep(VISIBILITY + SWEEP["redis"])
+    assert cluster.side.done_count(result.id) == 1
+    received, deferred = _deliveries(cluster, result.id)
+    redeliveries = received - 1 - deferred
+    print(
+        f"\nkeep_invisible={keep_invisible}: body {BODY:g} s, visibility {VISIBILITY:g} s: "
+        f"{received} deliveries, {deferred} deferrals, {redeliveries} redeliveries"
+    )
+    return redeliveries, deferred
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "sqs"], indirect=True)
+def test_a_run_three_visibility_timeouts_long_is_not_delivered_again(
+    cluster: Cluster, broker_kind: str
+) -> None:
+    redeliveries, deferred = _run_one_long_job(cluster, keep_invisible=True)
+    assert (redeliveries, deferred) == (0, 0)
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "sqs"], indirect=True)
+def test_without_the_setting_the_same_run_is_delivered_again(
+    cluster: Cluster, broker_kind: str
+) -> None:
+    redeliveries, deferred = _run_one_long_job(cluster, keep_invisible=False)
+    assert redeliveries >= 1
+    assert deferred >= 1
+
+
+@pytest.mark.parametrize("broker_kind", ["redis", "sqs"], indirect=True)
+def test_a_killed_workers_job_runs_again_within_a_visibility_timeout_and_a_ttl(
+    cluster: Cluster, broker_kind: str
+) -> None:
+    cluster.configure(ttl=TTL, visibility_timeout=VISIBILITY, keep_invisible=True)
+    workers = [cluster.worker("a"), cluster.worker("b")]
+    result = cluster.send(STEPS, BODY)
+    (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
+    worker_a, worker_b = sorted(
+        workers, key=lambda w: not started_a["worker"].startswith(f"{w.name}@")
+    )
+    # past one visibility timeout, and still A's: the renewals extended it
+    time.sleep(VISIBILITY + SWEEP[broker_kind] + 0.5)
+    assert cluster.side.events(result.id, "start") == [started_a]
+    worker_a.kill()
+    killed_at = time.time()
+    started_b = cluster.side.wait_event(result.id, "start", timeout=30, count=2)[1]
+    waited = started_b["at"] - killed_at
+    print(f"\n{broker_kind}: the killed worker's job started again after {waited:.2f} s")
+    assert started_b["worker"].startswith(f"{worker_b.name}@")
+    assert started_b["generation"] > started_a["generation"]
+    assert waited <= VISIBILITY + TTL + SWEEP[broker_kind] + DELIVERY_SLACK
+    record = cluster.wait_record(
+        result.id, state=LeaseState.COMPLETED, timeout=BODY + 30, message="the job to complete"
+    )
+    assert record.takeovers == 1
