@@ -62,6 +62,7 @@ __all__ = [
     "enable",
     "keep_invisible",
     "process_extender",
+    "stop",
     "visibility_timeout",
     "visibility_warnings",
 ]
@@ -264,6 +265,7 @@ class Extender:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stopping = threading.Event()
         self._watched: weakref.WeakKeyDictionary[Lease, _Watched] = weakref.WeakKeyDictionary()
         self._pending: dict[int, Lease] = {}
         self._brokers: dict[int, _Broker] = {}
@@ -294,6 +296,7 @@ class Extender:
                 return
             self._pending[id(lease)] = lease
             if self._thread is None or not self._thread.is_alive():
+                self._stopping.clear()
                 self._thread = threading.Thread(
                     target=self._run, name="celery-leases-visibility", daemon=True
                 )
@@ -306,10 +309,27 @@ class Extender:
             self._watched.pop(lease, None)
             self._pending.pop(id(lease), None)
 
+    def stop(self, timeout: float = CALL_TIMEOUT * 2) -> None:
+        """Stop the thread, wait for it and close the broker connections.
+
+        The next extension starts the thread again.
+        """
+        self._stopping.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._lock:
+            brokers = list(self._brokers.values())
+        for broker in brokers:
+            broker.close()
+
     def _run(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
+            if self._stopping.is_set():
+                return
             with self._lock:
                 pending = list(self._pending.values())
                 self._pending.clear()
@@ -352,6 +372,13 @@ def process_extender() -> Extender:
         if _process_extender is None or _process_extender.pid != os.getpid():
             _process_extender = Extender()
         return _process_extender
+
+
+def stop() -> None:
+    """Stop this process's extension thread, if it runs (``celery_leases.stop``)."""
+    extender = _process_extender
+    if extender is not None and extender.pid == os.getpid():
+        extender.stop()
 
 
 def _on_claimed(sender: Any, lease: Lease | None = None, **_: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import billiard.process
 
-from celery_leases import events
+from celery_leases import broker_visibility, events
 from celery_leases.errors import LeaseLost, StoreUnavailable
 from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease
@@ -225,4 +225,5 @@ def stop() -> int:
     released = release_held_leases("stopped")
     process_notifier().stop()  # its last notices may queue events
     events.stop()
+    broker_visibility.stop()
     return released

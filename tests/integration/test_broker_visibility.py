@@ -1,0 +1,215 @@
+"""Visibility extensions on kombu's Redis transport, against a real redis-server.
+
+A message is taken from a kombu queue and left unacknowledged, so it sits
+in the transport's ``unacked_index`` under its delivery tag, scored by its
+delivery time; the test ages that score and watches the
+:class:`~celery_leases.broker_visibility.Extender` move it back to now. The
+lease is only the extender's input (held or lost): a memory-store claim.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Connection
+
+from celery_leases.broker_visibility import Delivery, Extender
+from celery_leases.errors import LeaseLost
+from celery_leases.lease import Lease
+from celery_leases.settings import LeaseTiming
+from celery_leases.stores.memory import MemoryStore
+from tests.acceptance.harness import wait_until
+from tests.servers import RedisServer
+
+TIMING = LeaseTiming(ttl=30.0, renew_interval=10.0, drift_margin=1.0)
+#: how far back the test ages a delivery (seconds)
+AGE = 1000.0
+
+
+@pytest.fixture
+def extender() -> Iterator[Extender]:
+    extender = Extender()
+    yield extender
+    extender.stop()
+
+
+def _app(url: str, unique: str, **transport_options: Any) -> Celery:
+    app = Celery(f"visibility{unique}", set_as_current=False, broker=url)
+    app.conf.broker_transport_options = transport_options
+    return app
+
+
+def _lease(job_id: str) -> Lease:
+    store = MemoryStore()
+    claim = store.claim(job_id, "host:1:abc", TIMING.ttl, task_name="job")
+    return Lease(
+        job_id=job_id, owner="host:1:abc", generation=claim.generation,
+        lease_until_ms=claim.lease_until_ms, store=store, started_at=time.monotonic(),
+        timing=TIMING, task_name="job",
+    )  # fmt: skip
+
+
+class Unacked:
+    """A message delivered from a kombu queue and not acknowledged (yet)."""
+
+    def __init__(self, app: Celery, queue: str) -> None:
+        self.connection: Connection = app.connection_for_read()
+        self.queue = self.connection.SimpleQueue(queue)
+        self.queue.put({"job": queue})
+        self.message = self.queue.get(timeout=5)
+        channel = self.connection.default_channel
+        # the index's full name: kombu's client adds the prefix to ZADD, not ZSCORE
+        self.index = channel.global_keyprefix + channel.unacked_index_key
+        self.client: redis.Redis = redis.Redis.from_url(str(app.conf.broker_url))
+
+    @property
+    def tag(self) -> str:
+        return str(self.message.delivery_tag)
+
+    def score(self) -> float | None:
+        return self.client.zscore(self.index, self.tag)
+
+    def age(self) -> float:
+        """Move the delivery time back by :data:`AGE`; returns the new score."""
+        aged = time.time() - AGE
+        self.client.zadd(self.index, {self.tag: aged}, xx=True)
+        return aged
+
+    def close(self) -> None:
+        self.client.close()
+        self.queue.close()
+        self.connection.release()
+
+
+@pytest.fixture
+def unacked(redis_server: RedisServer, unique: str) -> Iterator[Callable[..., Unacked]]:
+    made: list[Unacked] = []
+
+    def make(app: Celery | None = None) -> Unacked:
+        message = Unacked(app or _app(redis_server.url, unique), f"q{unique}{len(made)}")
+        made.append(message)
+        return message
+
+    yield make
+    for message in made:
+        message.close()
+
+
+def _extended(message: Unacked, before: float) -> Callable[[], bool]:
+    return lambda: (message.score() or 0.0) > before + AGE / 2
+
+
+def test_an_extension_moves_the_delivery_to_now(
+    redis_server: RedisServer, unique: str, unacked: Callable[..., Unacked], extender: Extender
+) -> None:
+    app = _app(redis_server.url, unique)
+    message = unacked(app)
+    aged = message.age()
+    lease = _lease("j1")
+    extender.watch(lease, app, Delivery(message.tag))
+    wait_until(_extended(message, aged), timeout=10, message="the delivery to be extended")
+    # each renewal asks again
+    aged = message.age()
+    extender.request(lease)
+    wait_until(_extended(message, aged), timeout=10, message="the second extension")
+    # the count moves just after the call returns
+    wait_until(lambda: extender.extended == 2, timeout=10, message="two extensions counted")
+
+
+def test_the_global_key_prefix_and_index_name_are_those_of_the_transport(
+    redis_server: RedisServer, unique: str, unacked: Callable[..., Unacked], extender: Extender
+) -> None:
+    app = _app(
+        redis_server.url,
+        unique,
+        global_keyprefix=f"p{unique}:",
+        unacked_index_key=f"idx{unique}",
+    )
+    message = unacked(app)
+    assert message.index == f"p{unique}:idx{unique}"
+    assert message.score() is not None
+    aged = message.age()
+    extender.watch(_lease("j1"), app, Delivery(message.tag))
+    wait_until(_extended(message, aged), timeout=10, message="the prefixed index to move")
+    assert message.client.zscore("unacked_index", message.tag) is None
+
+
+def test_a_lost_lease_extends_its_message_no_more(
+    redis_server: RedisServer, unique: str, unacked: Callable[..., Unacked], extender: Extender
+) -> None:
+    app = _app(redis_server.url, unique)
+    lost_message, held_message = unacked(app), unacked(app)
+    lost_aged, held_aged = lost_message.age(), held_message.age()
+    lost = _lease("lost")
+    lost.mark_lost(LeaseLost("gone", job_id="lost", owner=lost.owner, generation=1))
+    extender.watch(lost, app, Delivery(lost_message.tag))
+    # asked after the lost one: once it is extended, the lost one was seen
+    extender.watch(_lease("held"), app, Delivery(held_message.tag))
+    wait_until(_extended(held_message, held_aged), timeout=10, message="the held lease's message")
+    wait_until(lambda: extender.extended, timeout=10, message="the extension counted")
+    assert lost_message.score() == pytest.approx(lost_aged)
+    assert extender.extended == 1
+
+
+def test_an_acknowledged_message_is_not_written_back(
+    redis_server: RedisServer, unique: str, unacked: Callable[..., Unacked], extender: Extender
+) -> None:
+    app = _app(redis_server.url, unique)
+    message, other = unacked(app), unacked(app)
+    other_aged = other.age()
+    message.message.ack()
+    assert message.score() is None
+    lease = _lease("acked")
+    extender.watch(lease, app, Delivery(message.tag))
+    extender.watch(_lease("other"), app, Delivery(other.tag))
+    wait_until(_extended(other, other_aged), timeout=10, message="the other message")
+    wait_until(lambda: extender.extended == 2, timeout=10, message="both tries counted")
+    assert message.score() is None
+    # nothing left to extend: later renewals ask for nothing
+    extender.request(lease)
+    time.sleep(0.2)
+    assert message.score() is None
+    assert extender.extended == 2
+
+
+def test_an_unreachable_broker_is_logged_and_never_raised(
+    unique: str, extender: Extender, caplog: pytest.LogCaptureFixture
+) -> None:
+    # nothing listens on port 1
+    app = _app("redis://127.0.0.1:1/0", unique)
+    with caplog.at_level(logging.WARNING, logger="celery_leases"):
+        extender.watch(_lease("j1"), app, Delivery("tag"))
+        wait_until(lambda: extender.failed, timeout=30, message="the failed try to be counted")
+    assert "could not keep the message of job 'j1' invisible" in caplog.text
+
+
+def test_a_broker_that_hangs_holds_nobody_who_asks(
+    lease_server: RedisServer, unique: str, unacked: Callable[..., Unacked], extender: Extender
+) -> None:
+    # a redis-server of this test alone (the conftest's), free to be frozen
+    broker_server = lease_server
+    app = _app(broker_server.url, unique)
+    message = unacked(app)
+    lease = _lease("j1")
+    extender.watch(lease, app, Delivery(message.tag))
+    wait_until(lambda: extender.extended, timeout=10, message="the first extension")
+    assert broker_server.proc is not None
+    broker_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(50):
+            extender.request(lease)  # returns at once: the thread waits, not the caller
+        # the call in flight gives up within its socket timeout
+        wait_until(lambda: extender.failed, timeout=30, message="the hanging call to give up")
+        assert extender.extended == 1
+    finally:
+        broker_server.proc.send_signal(signal.SIGCONT)
+    aged = message.age()
+    extender.request(lease)
+    wait_until(_extended(message, aged), timeout=30, message="an extension after the thaw")
