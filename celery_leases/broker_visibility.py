@@ -79,6 +79,10 @@ CALL_TIMEOUT = 5.0
 _REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 _SQS_SCHEMES = ("sqs",)
 
+#: SQS error codes of a receipt handle whose message was deleted (acknowledged)
+#: or handed out again
+_SQS_GONE = frozenset({"ReceiptHandleIsInvalid", "AWS.SimpleQueueService.MessageNotInflight"})
+
 #: kombu's own visibility timeouts when the transport option is not set
 _DEFAULT_VISIBILITY = {"redis": 3600.0, "sqs": 1800.0}
 
@@ -225,11 +229,21 @@ class _Broker:
             )
             return bool(changed)
         client = channel.sqs(queue=_predefined_name(channel, delivery.queue_url))
-        client.change_message_visibility(
-            QueueUrl=delivery.queue_url,
-            ReceiptHandle=delivery.tag,
-            VisibilityTimeout=math.ceil(channel.visibility_timeout),
-        )
+        try:
+            client.change_message_visibility(
+                QueueUrl=delivery.queue_url,
+                ReceiptHandle=delivery.tag,
+                VisibilityTimeout=math.ceil(channel.visibility_timeout),
+            )
+        except Exception as exc:
+            error = (getattr(exc, "response", None) or {}).get("Error", {})
+            if error.get("Code") in _SQS_GONE or (
+                # an expired handle, said with the code of any bad parameter
+                error.get("Code") == "InvalidParameterValue"
+                and "ReceiptHandle" in str(error.get("Message"))
+            ):
+                return False
+            raise
         return True
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,12 +21,14 @@ import redis
 from celery import Celery
 from kombu import Connection
 
-from celery_leases.broker_visibility import Delivery, Extender
+from celery_leases.broker_visibility import Delivery, Extender, delivery_of
 from celery_leases.errors import LeaseLost
 from celery_leases.lease import Lease
 from celery_leases.settings import LeaseTiming
 from celery_leases.stores.memory import MemoryStore
 from tests.acceptance.harness import wait_until
+from tests.broker_servers import SqsServer
+from tests.conftest import serve
 from tests.servers import RedisServer
 
 TIMING = LeaseTiming(ttl=30.0, renew_interval=10.0, drift_margin=1.0)
@@ -213,3 +216,79 @@ def test_a_broker_that_hangs_holds_nobody_who_asks(
     aged = message.age()
     extender.request(lease)
     wait_until(_extended(message, aged), timeout=30, message="an extension after the thaw")
+
+
+# --- SQS, against a local server ---------------------------------------------------
+
+SQS_VISIBILITY = 2
+
+
+@pytest.fixture(scope="module")
+def sqs_server() -> Iterator[SqsServer]:
+    yield from serve(SqsServer)
+
+
+def _sqs_app(server: SqsServer, unique: str) -> Celery:
+    app = Celery(f"visibility-sqs{unique}", set_as_current=False, broker=server.url)
+    app.conf.broker_transport_options = {
+        "region": "us-east-1",
+        "is_secure": False,
+        "visibility_timeout": SQS_VISIBILITY,
+        "wait_time_seconds": 1,
+    }
+    return app
+
+
+def test_on_sqs_extensions_keep_a_message_from_the_next_receiver(
+    sqs_server: SqsServer, unique: str, extender: Extender
+) -> None:
+    app = _sqs_app(sqs_server, unique)
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(f"q{unique}")
+        try:
+            queue.put({"job": unique})
+            message = queue.get(timeout=10)
+            delivery = delivery_of(SimpleNamespace(properties=message.properties), "sqs")
+            assert delivery is not None
+            lease = _lease("j1")
+            extender.watch(lease, app, delivery)
+            # renewals for two visibility timeouts: nobody else receives it
+            end = time.monotonic() + 2 * SQS_VISIBILITY
+            while time.monotonic() < end:
+                extender.request(lease)
+                time.sleep(0.4)
+            wait_until(lambda: extender.extended >= 4, timeout=10, message="the extensions")
+            with pytest.raises(queue.Empty):
+                queue.get(timeout=0.5)
+            # no more renewals: it comes back after one visibility timeout
+            extender.forget(lease)
+            again = queue.get(timeout=SQS_VISIBILITY + 5)
+            assert again.payload == {"job": unique}
+            assert extender.failed == 0
+            again.ack()
+        finally:
+            queue.close()
+
+
+def test_on_sqs_an_acknowledged_message_is_let_go_without_a_warning(
+    sqs_server: SqsServer, unique: str, extender: Extender, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = _sqs_app(sqs_server, unique)
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(f"q{unique}")
+        try:
+            queue.put({"job": unique})
+            message = queue.get(timeout=10)
+            delivery = delivery_of(SimpleNamespace(properties=message.properties), "sqs")
+            assert delivery is not None
+            message.ack()  # deletes it: its receipt handle is invalid from now on
+            lease = _lease("j1")
+            with caplog.at_level(logging.WARNING, logger="celery_leases"):
+                extender.watch(lease, app, delivery)
+                wait_until(lambda: extender.extended, timeout=10, message="the try")
+                extender.request(lease)  # forgotten: nothing is asked
+                time.sleep(0.3)
+            assert (extender.extended, extender.failed) == (1, 0)
+            assert "invisible" not in caplog.text
+        finally:
+            queue.close()
