@@ -13,6 +13,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -239,56 +240,55 @@ def _sqs_app(server: SqsServer, unique: str) -> Celery:
     return app
 
 
+@contextmanager
+def _sqs_delivered(app: Celery, name: str) -> Iterator[tuple[Any, Any, Delivery]]:
+    """(queue, message, delivery) of one message received and not acknowledged."""
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(name)
+        try:
+            queue.put({"job": name})
+            message = queue.get(timeout=10)
+            delivery = delivery_of(SimpleNamespace(properties=message.properties), "sqs")
+            assert delivery is not None
+            yield queue, message, delivery
+        finally:
+            queue.close()
+
+
 def test_on_sqs_extensions_keep_a_message_from_the_next_receiver(
     sqs_server: SqsServer, unique: str, extender: Extender
 ) -> None:
     app = _sqs_app(sqs_server, unique)
-    with app.connection_for_read() as connection:
-        queue = connection.SimpleQueue(f"q{unique}")
-        try:
-            queue.put({"job": unique})
-            message = queue.get(timeout=10)
-            delivery = delivery_of(SimpleNamespace(properties=message.properties), "sqs")
-            assert delivery is not None
-            lease = _lease("j1")
-            extender.watch(lease, app, delivery)
-            # renewals for two visibility timeouts: nobody else receives it
-            end = time.monotonic() + 2 * SQS_VISIBILITY
-            while time.monotonic() < end:
-                extender.request(lease)
-                time.sleep(0.4)
-            wait_until(lambda: extender.extended >= 4, timeout=10, message="the extensions")
-            with pytest.raises(queue.Empty):
-                queue.get(timeout=0.5)
-            # no more renewals: it comes back after one visibility timeout
-            extender.forget(lease)
-            again = queue.get(timeout=SQS_VISIBILITY + 5)
-            assert again.payload == {"job": unique}
-            assert extender.failed == 0
-            again.ack()
-        finally:
-            queue.close()
+    with _sqs_delivered(app, f"q{unique}") as (queue, _, delivery):
+        lease = _lease("j1")
+        extender.watch(lease, app, delivery)
+        # renewals for two visibility timeouts: nobody else receives it
+        end = time.monotonic() + 2 * SQS_VISIBILITY
+        while time.monotonic() < end:
+            extender.request(lease)
+            time.sleep(0.4)
+        wait_until(lambda: extender.extended >= 4, timeout=10, message="the extensions")
+        with pytest.raises(queue.Empty):
+            queue.get(timeout=0.5)
+        # no more renewals: it comes back after one visibility timeout
+        extender.forget(lease)
+        again = queue.get(timeout=SQS_VISIBILITY + 5)
+        assert again.payload == {"job": f"q{unique}"}
+        assert extender.failed == 0
+        again.ack()
 
 
 def test_on_sqs_an_acknowledged_message_is_let_go_without_a_warning(
     sqs_server: SqsServer, unique: str, extender: Extender, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = _sqs_app(sqs_server, unique)
-    with app.connection_for_read() as connection:
-        queue = connection.SimpleQueue(f"q{unique}")
-        try:
-            queue.put({"job": unique})
-            message = queue.get(timeout=10)
-            delivery = delivery_of(SimpleNamespace(properties=message.properties), "sqs")
-            assert delivery is not None
-            message.ack()  # deletes it: its receipt handle is invalid from now on
-            lease = _lease("j1")
-            with caplog.at_level(logging.WARNING, logger="celery_leases"):
-                extender.watch(lease, app, delivery)
-                wait_until(lambda: extender.extended, timeout=10, message="the try")
-                extender.request(lease)  # forgotten: nothing is asked
-                time.sleep(0.3)
-            assert (extender.extended, extender.failed) == (1, 0)
-            assert "invisible" not in caplog.text
-        finally:
-            queue.close()
+    with _sqs_delivered(app, f"q{unique}") as (_, message, delivery):
+        message.ack()  # deletes it: its receipt handle is invalid from now on
+        lease = _lease("j1")
+        with caplog.at_level(logging.WARNING, logger="celery_leases"):
+            extender.watch(lease, app, delivery)
+            wait_until(lambda: extender.extended, timeout=10, message="the try")
+            extender.request(lease)  # forgotten: nothing is asked
+            time.sleep(0.3)
+        assert (extender.extended, extender.failed) == (1, 0)
+        assert "invisible" not in caplog.text
