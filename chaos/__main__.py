@@ -15,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a profile and check its history")
     run.add_argument("--profile", default="ci", choices=["ci", "variant", "long"])
     run.add_argument("--store", default="redis", choices=["redis", "postgres"])
+    run.add_argument(
+        "--broker", default="redis", choices=["redis", "amqp"],
+        help="amqp: a private RabbitMQ node (results stay on Redis)",
+    )  # fmt: skip
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--variant", default="", help="a broken variant (see docs/testing.md)")
     run.add_argument("--out", type=Path, default=Path("chaos-out"))
@@ -25,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = run_profile(
         PROFILES[args.profile], store_kind=args.store, seed=args.seed, out=args.out,
-        variant=args.variant,
+        variant=args.variant, broker_kind=args.broker,
     )  # fmt: skip
     print(report.format())
     return 0 if report.ok else 1

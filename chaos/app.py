@@ -65,7 +65,7 @@ _targets: dict[int, tuple[SqlTarget | None, RedisTarget | None]] = {}
 
 def _expiring_counter(job_id: str, ttl_ms: int) -> int:
     # the "generation kept in an expiring key" bug: the counter vanishes with the lease
-    client = _side.setdefault(os.getpid(), redis.Redis.from_url(config.broker))
+    client = _side.setdefault(os.getpid(), redis.Redis.from_url(config.redis))
     key = f"chaos:expiring-generation:{job_id}"
     pipe = client.pipeline()
     pipe.incr(key)

@@ -23,6 +23,11 @@ class ChaosConfig:
     """What a chaos worker (and the runner's client app) needs."""
 
     broker: str = "redis://127.0.0.1:6379/0"
+    #: the result backend and the workers' own Redis records; empty: the
+    #: broker (a RabbitMQ broker needs one apart)
+    backend: str = ""
+    #: the RabbitMQ node's consumer timeout, seconds (amqp brokers only)
+    consumer_timeout: float = 1800.0
     queue: str = "chaos"
     store: str = "memory://"
     store_options: dict[str, Any] = field(default_factory=dict)
@@ -32,6 +37,16 @@ class ChaosConfig:
     sql_target: str = ""
     redis_target: str = ""
     variant: str = ""
+
+    @property
+    def redis(self) -> str:
+        """The Redis URL of the result backend and the workers' records."""
+        return self.backend or self.broker
+
+    @property
+    def amqp(self) -> bool:
+        """Whether the broker is RabbitMQ."""
+        return self.broker.startswith("amqp")
 
     def to_env(self) -> dict[str, str]:
         return {"CHAOS_CONFIG": json.dumps(asdict(self))}
@@ -43,22 +58,28 @@ class ChaosConfig:
 
 
 def make_app(config: ChaosConfig) -> Celery:
-    """A Celery app on the config's broker (also the result backend) and store."""
-    celery_app = Celery("chaos", broker=config.broker, backend=config.broker)
+    """A Celery app on the config's broker, its Redis result backend and its store."""
+    celery_app = Celery("chaos", broker=config.broker, backend=config.redis)
     celery_app.conf.update(
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         task_default_queue=config.queue,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={
-            "visibility_timeout": config.visibility_timeout,
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-        },
         result_expires=None,
         leases_store=config.store,
         leases_store_options=config.store_options,
         leases_ttl=config.ttl,
         leases_defer_max=max(2 * config.ttl, 2.0),
     )
+    if config.amqp:
+        # RabbitMQ has no visibility timeout: a frozen worker's message moves
+        # on when the node closes its connection, after missed heartbeats
+        celery_app.conf.broker_heartbeat = 2
+        celery_app.conf.leases_broker_consumer_timeout = config.consumer_timeout
+    else:
+        celery_app.conf.broker_transport_options = {
+            "visibility_timeout": config.visibility_timeout,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        }
     return celery_app

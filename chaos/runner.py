@@ -22,6 +22,7 @@ from chaos.history import History, read_history
 from chaos.nemesis import Nemesis, StoreControl
 from chaos.targets import RedisTarget, SqlTarget
 from tests.acceptance.harness import Worker
+from tests.broker_servers import RabbitServer
 from tests.proxy import Proxy
 from tests.servers import PostgresServer, RedisServer
 
@@ -30,6 +31,10 @@ __all__ = ["PROFILES", "Profile", "run"]
 #: workers: (pool, concurrency, clock) per worker; clock skews the wall clock
 #: ("" none, "+300" / "-300" seconds, "x2" twice as fast; see chaos.app)
 WORKERS = (("prefork", 2, ""), ("threads", 2, "+300"), ("prefork", 1, "-300"))
+
+#: the RabbitMQ node's consumer timeout (its own default): no fault here
+#: keeps a delivery that long, so the node never closes a worker's channel
+RABBIT_CONSUMER_TIMEOUT = 1800.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +112,32 @@ class _DurablePostgres(PostgresServer):
 
 
 def run(
-    profile: Profile, *, store_kind: str, seed: int, out: Path, variant: str = "", log: Any = print
+    profile: Profile,
+    *,
+    store_kind: str,
+    seed: int,
+    out: Path,
+    variant: str = "",
+    broker_kind: str = "redis",
+    log: Any = print,
 ) -> Report:
-    """Run one chaos profile and return the checker's report (also in ``out``)."""
+    """Run one chaos profile and return the checker's report (also in ``out``).
+
+    ``broker_kind`` ``"amqp"`` puts the broker on a private RabbitMQ node;
+    results and the Redis target stay on the Redis server.
+    """
     out.mkdir(parents=True, exist_ok=True)
     (out / "history").mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
         broker = RedisServer()
         stack.callback(broker.close)
+        broker_url = broker.url.replace("/0", "/1")
+        if broker_kind == "amqp":
+            rabbit = RabbitServer(consumer_timeout=RABBIT_CONSUMER_TIMEOUT)
+            stack.callback(rabbit.close)
+            broker_url = rabbit.url
+        elif broker_kind != "redis":
+            raise ValueError(f"unknown broker kind {broker_kind!r}: 'redis' or 'amqp'")
         target_pg = PostgresServer()
         stack.callback(target_pg.close)
         store_server: RedisServer | _DurablePostgres
@@ -131,7 +154,9 @@ def run(
         store_url = direct_url.replace(f":{store_server.port}/", f":{proxy.port}/")
         options = {"prefix": "chaos:"} if store_kind == "redis" else {"table_name": "chaos_leases"}
         config = ChaosConfig(
-            broker=broker.url.replace("/0", "/1"),
+            broker=broker_url,
+            backend=broker.url.replace("/0", "/1"),
+            consumer_timeout=RABBIT_CONSUMER_TIMEOUT,
             queue="chaos",
             store=store_url,
             store_options=options,
@@ -177,8 +202,8 @@ def run(
         for spec in profile.workers:
             workers.append(start(*spec))
         log(
-            f"chaos: {len(workers)} workers up; store {store_kind}, seed {seed}, "
-            f"variant {variant or '-'}"
+            f"chaos: {len(workers)} workers up; broker {broker_kind}, store {store_kind}, "
+            f"seed {seed}, variant {variant or '-'}"
         )
 
         send_ids: dict[str, str] = {}
