@@ -16,6 +16,7 @@ from typing import TypeVar
 import pytest
 
 from celery_leases import LeaseStore, open_store
+from tests.broker_servers import RabbitServer, SqsServer
 from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -56,6 +57,18 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     yield from serve(PostgresServer)
+
+
+@pytest.fixture(scope="session")
+def rabbit_server() -> Iterator[RabbitServer]:
+    """A private RabbitMQ node shared by the session (tests use their own queue)."""
+    yield from serve(RabbitServer)
+
+
+@pytest.fixture(scope="session")
+def sqs_server() -> Iterator[SqsServer]:
+    """A local SQS server shared by the session (tests use their own queue)."""
+    yield from serve(SqsServer)
 
 
 @pytest.fixture(scope="session")
