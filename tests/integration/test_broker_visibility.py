@@ -29,7 +29,6 @@ from celery_leases.settings import LeaseTiming
 from celery_leases.stores.memory import MemoryStore
 from tests.acceptance.harness import wait_until
 from tests.broker_servers import SqsServer
-from tests.conftest import serve
 from tests.servers import RedisServer
 
 TIMING = LeaseTiming(ttl=30.0, renew_interval=10.0, drift_margin=1.0)
@@ -222,11 +221,6 @@ def test_a_broker_that_hangs_holds_nobody_who_asks(
 # --- SQS, against a local server ---------------------------------------------------
 
 SQS_VISIBILITY = 2
-
-
-@pytest.fixture(scope="module")
-def sqs_server() -> Iterator[SqsServer]:
-    yield from serve(SqsServer)
 
 
 def _sqs_app(server: SqsServer, unique: str) -> Celery:
