@@ -46,7 +46,7 @@ SWEEP = {"redis": 1.0, "sqs": 0.0}
 DELIVERY_SLACK = 1.5
 
 
-def _deliveries(cluster: Cluster, job_id: str, task: str = STEPS) -> tuple[int, int]:
+def count_deliveries(cluster: Cluster, job_id: str, task: str = STEPS) -> tuple[int, int]:
     """(messages received, deferrals) for ``job_id`` over every worker's log."""
     received = deferred = 0
     job = re.escape(job_id)
@@ -57,7 +57,7 @@ def _deliveries(cluster: Cluster, job_id: str, task: str = STEPS) -> tuple[int, 
     return received, deferred
 
 
-def _two_workers(cluster: Cluster) -> list[Worker]:
+def start_two_workers(cluster: Cluster) -> list[Worker]:
     """Workers A and B, started side by side (each start takes seconds)."""
     workers = [cluster.worker(name, start=False) for name in ("a", "b")]
     starts = [threading.Thread(target=worker.start) for worker in workers]
@@ -72,7 +72,7 @@ def _two_workers(cluster: Cluster) -> list[Worker]:
 
 def _run_one_long_job(cluster: Cluster, *, keep_invisible: bool) -> tuple[int, int]:
     cluster.configure(ttl=TTL, visibility_timeout=VISIBILITY, keep_invisible=keep_invisible)
-    _two_workers(cluster)
+    start_two_workers(cluster)
     result = cluster.send(STEPS, BODY)
     cluster.wait_record(
         result.id, state=LeaseState.COMPLETED, timeout=BODY + 30, message="the job to complete"
@@ -81,7 +81,7 @@ def _run_one_long_job(cluster: Cluster, *, keep_invisible: bool) -> tuple[int, i
     # (with the setting no copy exists; a redelivery would have been logged)
     time.sleep(0.5 if keep_invisible else VISIBILITY + SWEEP["redis"])
     assert cluster.side.done_count(result.id) == 1
-    received, deferred = _deliveries(cluster, result.id)
+    received, deferred = count_deliveries(cluster, result.id)
     redeliveries = received - 1 - deferred
     print(
         f"\nkeep_invisible={keep_invisible}: body {BODY:g} s, visibility {VISIBILITY:g} s: "
@@ -112,7 +112,7 @@ def test_a_killed_workers_job_runs_again_within_a_visibility_timeout_and_a_ttl(
     cluster: Cluster, broker_kind: str
 ) -> None:
     cluster.configure(ttl=TTL, visibility_timeout=VISIBILITY, keep_invisible=True)
-    workers = _two_workers(cluster)
+    workers = start_two_workers(cluster)
     # the body sleeps on its first run only: B's takeover ends at once
     result = cluster.send(SLOW_ONCE, BODY)
     (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
@@ -121,7 +121,7 @@ def test_a_killed_workers_job_runs_again_within_a_visibility_timeout_and_a_ttl(
     )
     # past one visibility timeout, and still only A's: the renewals extended it
     time.sleep(VISIBILITY + SWEEP[broker_kind] + 0.5)
-    assert _deliveries(cluster, result.id, SLOW_ONCE) == (1, 0)
+    assert count_deliveries(cluster, result.id, SLOW_ONCE) == (1, 0)
     worker_a.kill()
     killed_at = time.time()
     started_b = cluster.side.wait_event(result.id, "start", timeout=30, count=2)[1]
