@@ -31,9 +31,9 @@ from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
-from celery_leases import unpatched
 from celery_leases.broker_checks import broker_warnings
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
 from celery_leases.metrics import install_metrics
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import (
@@ -53,10 +53,7 @@ __all__ = [
     "STORE_CHECK_TIMEOUT",
     "LeasesStep",
     "check_app",
-    "check_green_on_lost",
-    "check_green_store",
     "check_store",
-    "green_pool",
     "in_prefork_child",
     "install",
     "release_held_leases",
@@ -181,7 +178,7 @@ def check_app(
     green = green_pool(pool)
     if green is not None:
         try:
-            check_green_store(settings, green)
+            check_green_store(app, green)
         except LeaseConfigurationError as exc:
             if errors is None:
                 raise
@@ -255,62 +252,6 @@ def _check_task(
             "stopped alone)"
         )
     return warnings
-
-
-def green_pool(pool: str) -> str | None:
-    """``"gevent"`` or ``"eventlet"`` when ``pool`` (or the process's
-    monkey-patching) is that green pool, else None."""
-    name = pool.lower()
-    for library in ("gevent", "eventlet"):
-        if library in name:
-            return library
-    return unpatched.green_library()
-
-
-def check_green_store(settings: LeaseSettings, library: str) -> None:
-    """Refuse a store whose renewals would wait in the hub of a green pool.
-
-    Under gevent or eventlet the heartbeat renews from OS threads, so that
-    a task greenlet holding the hub delays no renewal; a store whose client
-    only has patched connections (TLS, Sentinel, Cluster, SQL drivers)
-    would wait in that hub, and its leases would run out in the store.
-
-    Raises:
-        LeaseConfigurationError: the store cannot renew outside the hub.
-    """
-    store = open_store(settings.store_url, **dict(settings.store_options))
-    try:
-        if store.renews_outside_the_hub:
-            return
-    finally:
-        store.close()
-    raise LeaseConfigurationError(
-        f"the lease store {mask(settings.store_url, secrets=secrets_of(settings.store_url))!r} "
-        f"cannot renew leases outside the {library} hub: a task that does not yield "
-        "would keep its renewals from going out, and leases would run out while held. "
-        f"With the {library} pool use a plain redis:// or unix:// lease store (no TLS, "
-        "Sentinel or Cluster), or run these tasks on the prefork or threads pool"
-    )
-
-
-def check_green_on_lost(task_name: str, mode: str, library: str) -> None:
-    """Refuse ``lease_on_lost`` "raise" and "stop" on a green pool.
-
-    The loss is noticed on an OS thread, which cannot throw into a greenlet;
-    a throw scheduled on the hub lands only when the body yields, and the
-    bodies that need it most (a tight loop, a blocking C call) never do.
-
-    Raises:
-        LeaseConfigurationError: ``mode`` is not ``"flag"``.
-    """
-    if mode == "flag":
-        return
-    raise LeaseConfigurationError(
-        f"task {task_name!r} uses lease_on_lost={mode!r}, which the {library} pool cannot "
-        "honour: a lost lease cannot be raised in a greenlet that holds the hub. Use "
-        "lease_on_lost='flag' and check self.lease.lost or call self.lease.check() "
-        "before each effect, or run the task on the prefork pool"
-    )
 
 
 def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT) -> str | None:
