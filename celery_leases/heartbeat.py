@@ -77,7 +77,7 @@ class Heartbeat:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, jitter: float = 0.1) -> None:
         self._clock = clock
         self._jitter = jitter
-        self._lock = unpatched.Lock()
+        self._lock = unpatched.lock()
         self._leases: dict[int, Lease] = {}
         self._wake = unpatched.Event()
         #: when the sleeping thread wakes up by itself (local clock); +inf
@@ -305,7 +305,7 @@ class Heartbeat:
             lease.mark_lost(error)
 
 
-_process_lock = unpatched.Lock()
+_process_lock = unpatched.lock()
 _process_heartbeat: Heartbeat | None = None
 
 
@@ -324,7 +324,7 @@ def process_heartbeat() -> Heartbeat:
 
 def _forget_after_fork() -> None:
     global _process_heartbeat, _process_lock
-    _process_lock = unpatched.Lock()
+    _process_lock = unpatched.lock()
     _process_heartbeat = None
 
 

@@ -136,7 +136,7 @@ class Lease:
         self._clock = clock
         self._on_lost = on_lost
         self._on_renewed = on_renewed
-        self._lock = unpatched.Lock()
+        self._lock = unpatched.lock()
         self._lease_until_ms = lease_until_ms
         self._deadline = started_at + timing.safe_duration
         self._lost: LeaseLost | None = None

@@ -43,7 +43,7 @@ class Notifier:
 
     def __init__(self) -> None:
         self._queue: SimpleQueue[Any] = SimpleQueue()
-        self._lock = unpatched.Lock()
+        self._lock = unpatched.lock()
         self._thread: threading.Thread | None = None
         self.pid = os.getpid()
 
@@ -105,7 +105,7 @@ class Notifier:
                 logger.exception("a lease notification (%r) failed", fn)
 
 
-_process_lock = unpatched.Lock()
+_process_lock = unpatched.lock()
 _process_notifier: Notifier | None = None
 
 
@@ -125,7 +125,7 @@ def notify(fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
 
 def _forget_after_fork() -> None:
     global _process_lock, _process_notifier
-    _process_lock = unpatched.Lock()
+    _process_lock = unpatched.lock()
     _process_notifier = None
 
 

@@ -9,8 +9,8 @@ them, so they are made from what the patching left behind:
 
 - :func:`start_thread` starts a real OS thread (``_thread.start_new_thread``
   as it was before patching);
-- :func:`Lock` and :class:`Event` block that OS thread, never a hub; a
-  greenlet only ever holds :func:`Lock` for a few bytecodes, never across a
+- :func:`lock` and :class:`Event` block that OS thread, never a hub; a
+  greenlet only ever holds :func:`lock` for a few bytecodes, never across a
   switch;
 - :func:`socket_module` is the socket module as it was, for a store client
   that lives in those threads.
@@ -31,11 +31,13 @@ from typing import Any
 
 __all__ = [
     "Event",
-    "Lock",
-    "RLock",
     "OsThread",
+    "current_thread_is",
+    "get_ident",
     "green_library",
     "in_main_os_thread",
+    "lock",
+    "rlock",
     "socket_module",
     "start_thread",
 ]
@@ -65,13 +67,13 @@ def _original(module: str, name: str) -> Any:
     return getattr(sys.modules[module], name)
 
 
-def Lock() -> _thread.LockType:  # stands in for threading.Lock
+def lock() -> _thread.LockType:
     """A lock of the OS: blocking on it blocks the OS thread, not a hub."""
     allocate: Callable[[], _thread.LockType] = _original("_thread", "allocate_lock")
     return allocate()
 
 
-def RLock() -> Any:  # stands in for threading.RLock
+def rlock() -> Any:
     """A reentrant lock of the OS (the C one of ``_thread``)."""
     make: Callable[[], Any] = _original("_thread", "RLock")
     return make()
@@ -118,10 +120,10 @@ def socket_module() -> ModuleType:
 
 
 class Event:
-    """``threading.Event`` made of :func:`Lock`; ``wait`` blocks its OS thread."""
+    """``threading.Event`` made of :func:`lock`; ``wait`` blocks its OS thread."""
 
     def __init__(self) -> None:
-        self._mutex = Lock()
+        self._mutex = lock()
         self._flag = False
         self._waiters: list[_thread.LockType] = []
 
@@ -144,7 +146,7 @@ class Event:
         with self._mutex:
             if self._flag:
                 return True
-            waiter = Lock()
+            waiter = lock()
             waiter.acquire()
             self._waiters.append(waiter)
         waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
@@ -165,7 +167,7 @@ class OsThread:
         self.name = name
         self._target = target
         self._args = args
-        self._running = Lock()
+        self._running = lock()
         self.ident: int | None = None
 
     def start(self) -> None:

@@ -66,7 +66,7 @@ class MemoryStore(LeaseStore):
     def __init__(self, clock: Callable[[], int] | None = None) -> None:
         self.url = "memory://"
         self._clock = clock or _wall_clock_ms
-        self._lock = unpatched.Lock()  # the heartbeat's OS threads take it too
+        self._lock = unpatched.lock()  # the heartbeat's OS threads take it too
         self._data: dict[str, LeaseRecord] = {}
 
     @property

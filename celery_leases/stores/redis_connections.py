@@ -155,8 +155,8 @@ class _UnpatchedPool(redis.ConnectionPool):
         self._os_locks()
 
     def _os_locks(self) -> None:
-        self._lock = unpatched.RLock()
-        self._fork_lock = unpatched.RLock()
+        self._lock = unpatched.rlock()
+        self._fork_lock = unpatched.rlock()
 
 
 class _UnpatchedTcpConnection(redis.Connection):
