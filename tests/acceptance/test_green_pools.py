@@ -41,7 +41,7 @@ def test_a_task_holding_the_hub_does_not_let_other_leases_run_out(
     cluster: Cluster, pool: str
 ) -> None:
     cluster.configure(ttl=TTL, renew_interval=RENEW_INTERVAL)
-    cluster.worker("green", pool=pool, concurrency=4)
+    worker = cluster.worker("green", pool=pool, concurrency=4)
     cooperative = cluster.send(STEPS, SPIN + BLOCK + 2.0)
     (started,) = cluster.side.wait_event(cooperative.id, "start", timeout=30)
     blocker = cluster.send(HOLD_HUB, SPIN, BLOCK)
@@ -70,6 +70,7 @@ def test_a_task_holding_the_hub_does_not_let_other_leases_run_out(
         assert record.state is LeaseState.COMPLETED, record
         assert len(cluster.side.events(job, "start")) == 1  # never fenced out, never run again
     assert cluster.side.done_count(cooperative.id) == 1
+    assert "heartbeat failed" not in worker.log()
 
 
 def test_a_black_holed_store_makes_the_lease_read_lost_at_its_deadline(
@@ -81,7 +82,7 @@ def test_a_black_holed_store_makes_the_lease_read_lost_at_its_deadline(
         store=f"redis://127.0.0.1:{store_proxy.port}/0",
         store_options={"prefix": f"acc{unique}:"},
     )
-    cluster.worker("green", pool=pool)
+    worker = cluster.worker("green", pool=pool)
     result = cluster.send(WATCH, 6 * TTL)
     cluster.side.wait_event(result.id, "start", timeout=30)
     wait_until(
@@ -104,3 +105,5 @@ def test_a_black_holed_store_makes_the_lease_read_lost_at_its_deadline(
     record = cluster.record(result.id)
     assert record is not None
     assert record.state is not LeaseState.COMPLETED
+    # the notice, handed from the deadline thread to the notifier greenlet
+    worker.wait_for_log(rf"lease lost: job={result.id} .*reason=deadline", timeout=10)
