@@ -107,3 +107,16 @@ def test_a_black_holed_store_makes_the_lease_read_lost_at_its_deadline(
     assert record.state is not LeaseState.COMPLETED
     # the notice, handed from the deadline thread to the notifier greenlet
     worker.wait_for_log(rf"lease lost: job={result.id} .*reason=deadline", timeout=10)
+
+
+def test_a_green_worker_with_lease_on_lost_raise_stops_at_start(
+    cluster: Cluster, pool: str
+) -> None:
+    worker = cluster.worker("raise", pool=pool, start=False, on_lost="raise")
+    with pytest.raises(AssertionError, match="exited before logging"):
+        worker.start(ready_timeout=60)
+    assert worker.wait_exit(timeout=30) != 0
+    log = worker.log()
+    assert "LeaseConfigurationError" in log
+    assert f"the {pool} pool cannot honour" in log
+    assert "lease_on_lost='flag'" in log
