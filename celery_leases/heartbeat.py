@@ -34,6 +34,12 @@ lease's own deadline passes. Any other error from a batch makes the leases
 of that batch lost (it is logged with its traceback); an error in the
 deadline thread itself makes every lease lost, and the thread carries on:
 it never dies silently.
+
+Under gevent or eventlet monkey-patching the deadline and renewal threads
+are OS threads and their locks OS locks (:mod:`celery_leases.unpatched`),
+and the stores that can renew there do so on connections of their own
+(``LeaseStore.renews_outside_the_hub``): a task greenlet that holds the hub,
+in a tight loop or a blocking C call, delays no deadline and no renewal.
 """
 
 from __future__ import annotations
