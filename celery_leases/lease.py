@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
 from celery_leases.settings import LeaseTiming
 from celery_leases.stores.base import (
@@ -135,7 +136,7 @@ class Lease:
         self._clock = clock
         self._on_lost = on_lost
         self._on_renewed = on_renewed
-        self._lock = threading.Lock()
+        self._lock = unpatched.lock()
         self._lease_until_ms = lease_until_ms
         self._deadline = started_at + timing.safe_duration
         self._lost: LeaseLost | None = None

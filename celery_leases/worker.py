@@ -39,6 +39,7 @@ from celery_leases.broker_visibility import (
     visibility_warnings,
 )
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
+from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
 from celery_leases.metrics import install_metrics
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import (
@@ -181,12 +182,22 @@ def check_app(
     # invisible: a run may outlast the visibility timeout
     visibility = None if keep_invisible(app) else visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
+    green = green_pool(pool)
+    if green is not None:
+        try:
+            check_green_store(app, green)
+        except LeaseConfigurationError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
     for task in list(app.tasks.values()):
         if not isinstance(task, LeasedTask):
             continue
         warnings += misspelled_task_attributes(task, LeasedTask)
         try:
             warnings += _check_task(app, task, visibility, prefork, pool)
+            if green is not None:
+                check_green_on_lost(task.name, task.lease_on_lost_mode(), green)
         except LeaseConfigurationError as exc:
             if errors is None:
                 raise

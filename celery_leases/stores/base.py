@@ -123,6 +123,15 @@ class LeaseStore(abc.ABC):
     #: the URL scheme(s) this store was opened from, for messages
     url: str = ""
 
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        """Whether :meth:`renew_many` waits in its own OS thread under gevent
+        or eventlet monkey-patching (never in the hub a task greenlet may hold).
+
+        The worker refuses a green pool with a store that cannot.
+        """
+        return False
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {mask(self.url)}>"
 

@@ -9,10 +9,10 @@ time pass without sleeping.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseRecordUnreadable
 from celery_leases.stores.base import (
     Acquired,
@@ -66,8 +66,12 @@ class MemoryStore(LeaseStore):
     def __init__(self, clock: Callable[[], int] | None = None) -> None:
         self.url = "memory://"
         self._clock = clock or _wall_clock_ms
-        self._lock = threading.Lock()
+        self._lock = unpatched.lock()  # the heartbeat's OS threads take it too
         self._data: dict[str, LeaseRecord] = {}
+
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        return True  # no I/O: a renewal only takes an OS lock
 
     def _now_ms(self) -> int:
         return self._clock()

@@ -52,6 +52,7 @@ from celery_leases.stores.redis_connections import (
     config_warnings,
     open_client,
     renewal_client,
+    renews_outside_the_hub,
 )
 from celery_leases.stores.redis_errors import raise_wrapped
 from celery_leases.stores.redis_replies import (
@@ -148,6 +149,7 @@ class RedisStore(RedisBatches, LeaseStore):
         )
         #: the sentinels a sentinel:// URL named, closed with the store
         self._sentinel: Sentinel | None = None
+        self._renews_outside_the_hub = renews_outside_the_hub(self._renew_client)
         self._claim_script = Script(scripts.CLAIM_SCRIPT)
         self._renew_script = Script(scripts.RENEW_SCRIPT)
         self._renew_many_script = Script(scripts.RENEW_MANY_SCRIPT)
@@ -205,6 +207,11 @@ class RedisStore(RedisBatches, LeaseStore):
         if check_config:
             store._check_config(client)
         return store
+
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        """True for a plain TCP or Unix socket store opened under monkey-patching."""
+        return self._renews_outside_the_hub
 
     def close(self) -> None:
         """Close the clients and their connection pools (and the sentinels')."""
