@@ -43,7 +43,7 @@ BODY = 3 * VISIBILITY
 #: (``unacked_restore_interval``, tests/acceptance/app.py); SQS needs no sweep
 SWEEP = {"redis": 1.0, "sqs": 0.0}
 #: the broker's delivery and the worker's poll (SQS long-polls 1 s)
-DELIVERY_SLACK = 1.5
+DELIVERY_SLACK = 2.0
 
 
 def count_deliveries(cluster: Cluster, job_id: str, task: str = STEPS) -> tuple[int, int]:
