@@ -15,7 +15,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_leases import signals
 from celery_leases.task import forget_runtime
 from tests.conftest import serve
-from tests.servers import RedisServer
+from tests.servers import RedisServer, SentinelGroup
 
 WAIT = 30.0  # generous: the machine is shared
 
@@ -48,6 +48,14 @@ class Recorder:
 def lease_server() -> Iterator[RedisServer]:
     """A redis-server of this test alone for the lease store, free to be stopped."""
     yield from serve(RedisServer)
+
+
+@pytest.fixture
+def sentinel_group() -> Iterator[SentinelGroup]:
+    """Redis master, replica and three sentinels of this test alone, ready."""
+    for started in serve(SentinelGroup):
+        started.wait_ready()
+        yield started
 
 
 @pytest.fixture

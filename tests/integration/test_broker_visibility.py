@@ -29,7 +29,7 @@ from celery_leases.settings import LeaseTiming
 from celery_leases.stores.memory import MemoryStore
 from tests.acceptance.harness import wait_until
 from tests.broker_servers import SqsServer
-from tests.servers import RedisServer
+from tests.servers import RedisServer, SentinelGroup
 
 TIMING = LeaseTiming(ttl=30.0, renew_interval=10.0, drift_margin=1.0)
 #: how far back the test ages a delivery (seconds)
@@ -62,7 +62,7 @@ def _lease(job_id: str) -> Lease:
 class Unacked:
     """A message delivered from a kombu queue and not acknowledged (yet)."""
 
-    def __init__(self, app: Celery, queue: str) -> None:
+    def __init__(self, app: Celery, queue: str, direct_url: str | None = None) -> None:
         self.connection: Connection = app.connection_for_read()
         self.queue = self.connection.SimpleQueue(queue)
         self.queue.put({"job": queue})
@@ -70,7 +70,7 @@ class Unacked:
         channel = self.connection.default_channel
         # the index's full name: kombu's client adds the prefix to ZADD, not ZSCORE
         self.index = channel.global_keyprefix + channel.unacked_index_key
-        self.client: redis.Redis = redis.Redis.from_url(str(app.conf.broker_url))
+        self.client: redis.Redis = redis.Redis.from_url(direct_url or str(app.conf.broker_url))
 
     @property
     def tag(self) -> str:
@@ -95,8 +95,9 @@ class Unacked:
 def unacked(redis_server: RedisServer, unique: str) -> Iterator[Callable[..., Unacked]]:
     made: list[Unacked] = []
 
-    def make(app: Celery | None = None) -> Unacked:
-        message = Unacked(app or _app(redis_server.url, unique), f"q{unique}{len(made)}")
+    def make(app: Celery | None = None, direct_url: str | None = None) -> Unacked:
+        app = app or _app(redis_server.url, unique)
+        message = Unacked(app, f"q{unique}{len(made)}", direct_url)
         made.append(message)
         return message
 
@@ -142,6 +143,20 @@ def test_the_global_key_prefix_and_index_name_are_those_of_the_transport(
     extender.watch(_lease("j1"), app, Delivery(message.tag))
     wait_until(_extended(message, aged), timeout=10, message="the prefixed index to move")
     assert message.client.zscore("unacked_index", message.tag) is None
+
+
+def test_a_sentinel_broker_is_reached_through_its_sentinels(
+    sentinel_group: SentinelGroup,
+    unique: str,
+    unacked: Callable[..., Unacked],
+    extender: Extender,
+) -> None:
+    app = _app(sentinel_group.url, unique, master_name=SentinelGroup.MASTER_NAME)
+    master = sentinel_group.master_port()
+    message = unacked(app, direct_url=f"redis://127.0.0.1:{master}/0")
+    aged = message.age()
+    extender.watch(_lease("j1"), app, Delivery(message.tag))
+    wait_until(_extended(message, aged), timeout=10, message="the master's index to move")
 
 
 def test_a_lost_lease_extends_its_message_no_more(

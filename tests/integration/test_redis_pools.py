@@ -22,7 +22,6 @@ import redis
 from celery_leases import Acquired, LeaseStore, Renewed, RenewRequest, StoreUnavailable, open_store
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.redis import RedisStore
-from tests.conftest import serve
 from tests.proxy import Proxy
 from tests.servers import RedisCluster, RedisServer, SentinelGroup
 
@@ -157,13 +156,6 @@ def test_a_store_over_a_client_renews_on_a_pool_of_its_own(
 
 
 # --- one node, Sentinel and Cluster -------------------------------------------------
-
-
-@pytest.fixture
-def sentinel_group() -> Iterator[SentinelGroup]:
-    for started in serve(SentinelGroup):
-        started.wait_ready()
-        yield started
 
 
 def _open(kind: str, request: pytest.FixtureRequest, unique: str) -> LeaseStore:
