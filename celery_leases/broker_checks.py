@@ -1,4 +1,5 @@
-"""What the broker allows a leased message: RabbitMQ's consumer timeout.
+"""What the broker allows a leased message: RabbitMQ's consumer timeout,
+and the visibility timeout of Redis and SQS.
 
 RabbitMQ closes a channel whose oldest delivery stays unacknowledged longer
 than its ``consumer_timeout`` (30 minutes by default since 3.8.15), and a
@@ -17,6 +18,12 @@ default. Deferral countdowns on RabbitMQ are capped at half of it
 (:func:`countdown_cap`): a capped copy comes back early, finds the lease
 still held and is deferred again, and no healthy worker loses its channel.
 :func:`broker_warnings` is part of the worker's start checks.
+
+Redis and SQS hand an unacknowledged message out again after their
+``visibility_timeout`` (:func:`visibility_timeout`, kombu's default when
+unset). With ``leases_broker_keep_invisible`` (:func:`keep_invisible`)
+renewals push it forward (:mod:`celery_leases.broker_visibility`), and
+:func:`visibility_warnings` checks at start that they come often enough.
 """
 
 from __future__ import annotations
@@ -30,9 +37,14 @@ from celery_leases.errors import LeaseConfigurationError
 __all__ = [
     "AMQP_TRANSPORTS",
     "DEFAULT_CONSUMER_TIMEOUT",
+    "KEEP_INVISIBLE",
     "broker_warnings",
     "consumer_timeout",
     "countdown_cap",
+    "keep_invisible",
+    "visibility_timeout",
+    "visibility_transport",
+    "visibility_warnings",
 ]
 
 #: broker URL schemes of RabbitMQ (the transports with a consumer timeout)
@@ -40,6 +52,13 @@ AMQP_TRANSPORTS = ("amqp", "amqps", "pyamqp", "librabbitmq")
 
 #: RabbitMQ's own ``consumer_timeout`` since 3.8.15, seconds
 DEFAULT_CONSUMER_TIMEOUT = 1800.0
+
+#: the setting that turns extensions on
+KEEP_INVISIBLE = "leases_broker_keep_invisible"
+
+#: broker URL schemes of kombu's Redis transport, and of SQS
+_REDIS_SCHEMES = ("redis", "rediss", "sentinel")
+_SQS_SCHEMES = ("sqs",)
 
 #: the shortest deferral countdown the cap leaves, seconds
 _SHORTEST_CAP = 0.5
@@ -136,3 +155,82 @@ def broker_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
                 "the time limit"
             )
     return warnings
+
+
+# --- Redis and SQS: the visibility timeout ---------------------------------------
+
+
+#: kombu's own visibility timeouts when the transport option is not set
+_DEFAULT_VISIBILITY = {"redis": 3600.0, "sqs": 1800.0}
+
+
+def visibility_transport(app: Any) -> str | None:
+    """``"redis"``, ``"sqs"`` or None: the transport ``app`` consumes from."""
+    url = str(app.conf.broker_read_url or app.conf.broker_url or "")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in _REDIS_SCHEMES:
+        return "redis"
+    if scheme in _SQS_SCHEMES:
+        return "sqs"
+    return None
+
+
+def keep_invisible(app: Any) -> bool:
+    """Whether ``app`` asks for extensions (``leases_broker_keep_invisible``).
+
+    Raises:
+        LeaseConfigurationError: the setting is not a boolean.
+    """
+    value = app.conf.get(KEEP_INVISIBLE)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise LeaseConfigurationError(
+            f"{KEEP_INVISIBLE} must be True or False, got {value!r}: set it to True to keep a "
+            "leased message invisible on a Redis or SQS broker while its lease is renewed"
+        )
+    return value
+
+
+def visibility_timeout(app: Any) -> float | None:
+    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker)."""
+    transport = visibility_transport(app)
+    if transport is None:
+        return None
+    options = app.conf.broker_transport_options or {}
+    value = options.get("visibility_timeout", _DEFAULT_VISIBILITY[transport])
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
+    """Start checks of ``leases_broker_keep_invisible`` for ``app``'s leased ``tasks``.
+
+    Returns:
+        Warnings worth logging (the setting has no effect on this broker).
+
+    Raises:
+        LeaseConfigurationError: the setting is not a boolean, or a task
+            renews too rarely for the visibility timeout.
+    """
+    if not keep_invisible(app):
+        return []
+    timeout = visibility_timeout(app)
+    if timeout is None:
+        return [
+            f"{KEEP_INVISIBLE} is set but the broker is neither Redis nor SQS: it has no effect "
+            "there (only those brokers hand a message out again after a visibility timeout)"
+        ]
+    for task in tasks:
+        interval = task.lease_timing().renew_interval
+        if interval >= timeout / 2:
+            raise LeaseConfigurationError(
+                f"task {task.name!r} renews its lease every {interval:g} s, but with "
+                f"{KEEP_INVISIBLE} a renewal must come at least twice per visibility timeout "
+                f"({timeout:g} s), or the broker hands its message out between two: lower "
+                "the task's lease ttl or renew interval, or raise "
+                "broker_transport_options['visibility_timeout']"
+            )
+    return []

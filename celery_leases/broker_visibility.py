@@ -45,118 +45,31 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from celery_leases import signals
-from celery_leases.errors import LeaseConfigurationError
+from celery_leases.broker_checks import visibility_transport
 from celery_leases.lease import Lease
 
 __all__ = [
     "CALL_TIMEOUT",
-    "SETTING",
     "Delivery",
     "Extender",
     "delivery_of",
     "enable",
-    "keep_invisible",
     "process_extender",
     "stop",
-    "visibility_timeout",
-    "visibility_warnings",
 ]
 
 logger = logging.getLogger("celery_leases")
 
-#: the setting that turns extensions on
-SETTING = "leases_broker_keep_invisible"
-
 #: seconds one extension may wait on the broker (socket and HTTP timeouts)
 CALL_TIMEOUT = 5.0
-
-#: broker URL schemes of kombu's Redis transport, and of SQS
-_REDIS_SCHEMES = ("redis", "rediss", "sentinel")
-_SQS_SCHEMES = ("sqs",)
 
 #: SQS error codes of a receipt handle whose message was deleted (acknowledged)
 #: or handed out again
 _SQS_GONE = frozenset({"ReceiptHandleIsInvalid", "AWS.SimpleQueueService.MessageNotInflight"})
-
-#: kombu's own visibility timeouts when the transport option is not set
-_DEFAULT_VISIBILITY = {"redis": 3600.0, "sqs": 1800.0}
-
-
-def _transport(app: Any) -> str | None:
-    """``"redis"``, ``"sqs"`` or None: the transport ``app`` consumes from."""
-    url = str(app.conf.broker_read_url or app.conf.broker_url or "")
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in _REDIS_SCHEMES:
-        return "redis"
-    if scheme in _SQS_SCHEMES:
-        return "sqs"
-    return None
-
-
-def keep_invisible(app: Any) -> bool:
-    """Whether ``app`` asks for extensions (``leases_broker_keep_invisible``).
-
-    Raises:
-        LeaseConfigurationError: the setting is not a boolean.
-    """
-    value = app.conf.get(SETTING)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise LeaseConfigurationError(
-            f"{SETTING} must be True or False, got {value!r}: set it to True to keep a "
-            "leased message invisible on a Redis or SQS broker while its lease is renewed"
-        )
-    return value
-
-
-def visibility_timeout(app: Any) -> float | None:
-    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker)."""
-    transport = _transport(app)
-    if transport is None:
-        return None
-    options = app.conf.broker_transport_options or {}
-    value = options.get("visibility_timeout", _DEFAULT_VISIBILITY[transport])
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
-    """Start checks of ``leases_broker_keep_invisible`` for ``app``'s leased ``tasks``.
-
-    Returns:
-        Warnings worth logging (the setting has no effect on this broker).
-
-    Raises:
-        LeaseConfigurationError: the setting is not a boolean, or a task
-            renews too rarely for the visibility timeout.
-    """
-    if not keep_invisible(app):
-        return []
-    timeout = visibility_timeout(app)
-    if timeout is None:
-        return [
-            f"{SETTING} is set but the broker is neither Redis nor SQS: it has no effect "
-            "there (only those brokers hand a message out again after a visibility timeout)"
-        ]
-    for task in tasks:
-        interval = task.lease_timing().renew_interval
-        if interval >= timeout / 2:
-            raise LeaseConfigurationError(
-                f"task {task.name!r} renews its lease every {interval:g} s, but with "
-                f"{SETTING} a renewal must come at least twice per visibility timeout "
-                f"({timeout:g} s), or the broker hands its message out between two: lower "
-                "the task's lease ttl or renew interval, or raise "
-                "broker_transport_options['visibility_timeout']"
-            )
-    return []
 
 
 @dataclass(frozen=True)
@@ -291,7 +204,7 @@ class Extender:
 
     def watch(self, lease: Lease, app: Any, delivery: Delivery) -> None:
         """Extend ``delivery``'s visibility at each renewal of ``lease``, and now."""
-        transport = _transport(app)
+        transport = visibility_transport(app)
         if transport is None:
             return
         with self._lock:
@@ -401,7 +314,7 @@ def _on_claimed(sender: Any, lease: Lease | None = None, **_: Any) -> None:
     app = sender._get_app()
     if app not in _enabled_apps:
         return
-    transport = _transport(app)
+    transport = visibility_transport(app)
     delivery = delivery_of(sender.request, transport) if transport else None
     if delivery is not None:
         process_extender().watch(lease, app, delivery)

@@ -31,13 +31,13 @@ from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
-from celery_leases.broker_checks import broker_warnings
-from celery_leases.broker_visibility import (
-    enable,
+from celery_leases.broker_checks import (
+    broker_warnings,
     keep_invisible,
     visibility_timeout,
     visibility_warnings,
 )
+from celery_leases.broker_visibility import enable
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
 from celery_leases.metrics import install_metrics

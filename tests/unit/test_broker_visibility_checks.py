@@ -10,7 +10,8 @@ import pytest
 from celery import Celery
 
 from celery_leases import LeaseConfigurationError, LeasedTask
-from celery_leases.broker_visibility import Delivery, delivery_of, visibility_timeout
+from celery_leases.broker_checks import visibility_timeout
+from celery_leases.broker_visibility import Delivery, delivery_of
 from celery_leases.spelling import misspelled_settings
 from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app
