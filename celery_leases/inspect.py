@@ -81,7 +81,7 @@ def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
             "pid": pid,
             "lease_until": ms_to_datetime(record.lease_until_ms).isoformat(),
             "remaining": round(max(0, record.lease_until_ms - now) / 1000, 3),
-            "lost": record.lease_until_ms <= now,
+            "lost": not record.is_live(now),
         }
         for record, pid in sorted(rows, key=lambda item: item[0].claimed_at_ms or 0)
     ]
