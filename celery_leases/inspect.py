@@ -75,7 +75,7 @@ def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
     return [
         {
             "job_id": record.job_id,
-            "task_id": None,  # a pool child knows it; the store does not
+            "task_id": record.task_id or None,
             "task_name": record.task_name,
             "generation": record.generation,
             "pid": pid,
