@@ -16,6 +16,7 @@ from typing import TypeVar
 import pytest
 
 from celery_leases import LeaseStore, open_store
+from tests.broker_servers import RabbitServer, SqsServer
 from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
 from tests.store_clock import StoreClock
 
@@ -82,6 +83,18 @@ def clocked_redis_server(store_clock: StoreClock) -> Iterator[RedisServer]:
 def clocked_postgres_server(store_clock: StoreClock) -> Iterator[PostgresServer]:
     """A PostgreSQL cluster whose clock is ``store_clock``."""
     yield from serve(lambda: PostgresServer(env=store_clock.env()))
+
+
+@pytest.fixture(scope="session")
+def rabbit_server() -> Iterator[RabbitServer]:
+    """A private RabbitMQ node shared by the session (tests use their own queue)."""
+    yield from serve(RabbitServer)
+
+
+@pytest.fixture(scope="session")
+def sqs_server() -> Iterator[SqsServer]:
+    """A local SQS server shared by the session (tests use their own queue)."""
+    yield from serve(SqsServer)
 
 
 @pytest.fixture(scope="session")

@@ -195,18 +195,6 @@ def store_server() -> Iterator[RedisServer]:
     yield from serve(RedisServer)
 
 
-@pytest.fixture(scope="session")
-def rabbit_server() -> Iterator[RabbitServer]:
-    """A private RabbitMQ node shared by the session (tests use their own queue)."""
-    yield from serve(RabbitServer)
-
-
-@pytest.fixture(scope="session")
-def sqs_server() -> Iterator[SqsServer]:
-    """A local SQS server shared by the session (tests use their own queue)."""
-    yield from serve(SqsServer)
-
-
 @pytest.fixture
 def broker_kind(request: pytest.FixtureRequest) -> str:
     """Redis by default; parametrize indirectly with ``"amqp"`` or ``"sqs"``."""
