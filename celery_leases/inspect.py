@@ -75,13 +75,13 @@ def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
     return [
         {
             "job_id": record.job_id,
-            "task_id": None,  # a pool child knows it; the store does not
+            "task_id": record.task_id or None,
             "task_name": record.task_name,
             "generation": record.generation,
             "pid": pid,
             "lease_until": ms_to_datetime(record.lease_until_ms).isoformat(),
             "remaining": round(max(0, record.lease_until_ms - now) / 1000, 3),
-            "lost": record.lease_until_ms <= now,
+            "lost": not record.is_live(now),
         }
         for record, pid in sorted(rows, key=lambda item: item[0].claimed_at_ms or 0)
     ]

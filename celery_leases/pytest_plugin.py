@@ -96,9 +96,9 @@ class LeaseFaults:
     def expire(self, lease: Lease | Acquired | str) -> None:
         """Let the lease on a job run out now, by the store's clock.
 
-        Moves the memory store's clock past the lease's end. Nobody else
-        holds the job yet, so its holder may still renew; :meth:`steal` is
-        what makes it stale.
+        Moves the memory store's clock to the lease's end, where it has run
+        out. Nobody else holds the job yet, so its holder may still renew;
+        :meth:`steal` is what makes it stale.
 
         Raises:
             LeaseConfigurationError: the store has no controllable clock.
@@ -109,8 +109,9 @@ class LeaseFaults:
                 "use steal(), which waits for the lease to run out"
             )
         record = self.store.get(self._job_id(lease))
-        if record is not None and record.lease_until_ms >= self.clock.now_ms:
-            self.clock.advance((record.lease_until_ms - self.clock.now_ms + 1) / 1000)
+        if record is not None and record.is_live(self.clock.now_ms):
+            # a lease has run out at lease_until exactly
+            self.clock.now_ms = record.lease_until_ms
 
     def steal(
         self, lease: Lease | Acquired | str, *, ttl: float = 60.0, grace: float = 10.0

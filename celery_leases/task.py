@@ -303,6 +303,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 options.timing.ttl,
                 task_name=self.name,
                 send_id=send_id_for(request, job_id),
+                task_id=task_id,
             )
         except StoreUnavailable as exc:
             defer_unavailable(self, request, args, kwargs, job_id, options.defer_max, exc)

@@ -110,12 +110,18 @@ class RecordingStore(LeaseStore):
     # -- hooks ----------------------------------------------------------------
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         def claim() -> ClaimResult:
             if self.variant == "worker-clock-claim":
                 self._expire_by_worker_clock(job_id)
-            result = self.inner._claim(job_id, owner, ttl_ms, task_name, send_id)
+            result = self.inner._claim(job_id, owner, ttl_ms, task_name, send_id, task_id)
             if self.variant == "expiring-generation" and isinstance(result, Acquired):
                 assert self._counter is not None
                 token = self._counter(job_id, ttl_ms)

@@ -49,6 +49,7 @@ from celery_leases.stores.deadline import time_left
 from celery_leases.stores.sql_engine import (
     MIN_SQLITE_VERSION,
     SQLITE_BUSY_TIMEOUT,
+    check_columns,
     check_sqlite_version,
     check_timeout,
     create_table,
@@ -153,9 +154,11 @@ class SqlStore(LeaseStore):
         self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = _Statements.build(self.table, self._dialect)
         self._operations = Operations(self._statements, self.url)
-        if create_table:
-            with store_waits(self.timeout):
+        with store_waits(self.timeout):
+            if create_table:
                 _create_table(engine, table_name)
+            else:
+                check_columns(engine, self.table)
 
     @classmethod
     def from_url(
@@ -271,7 +274,13 @@ class SqlStore(LeaseStore):
         return self._call("now_ms", work, again=True)
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         """One statement when the claim takes the record; when it does not,
         one more that decides under the record's lock (PostgreSQL), or a
@@ -287,6 +296,7 @@ class SqlStore(LeaseStore):
             "p_task_name": task_name,
             "p_send_id": send_id or "",
             "p_new_send": send_id is not None,
+            "p_task_id": task_id,
         }
         operations = self._operations
 

@@ -133,7 +133,7 @@ class Operations:
         """The answer to a claim that did not take ``holder``; None when the
         record may be taken after all (its lease ran out since the claim)."""
         if holder.state is LeaseState.COMPLETED:
-            if send_id is not None and send_id != holder.send_id:
+            if not holder.is_same_run(send_id):
                 return None
             return AlreadyCompleted(
                 holder.job_id, holder.generation, holder.send_id, holder.outcome

@@ -67,6 +67,8 @@ def test_inspect_leases_lists_what_each_worker_holds(
         assert record is not None
         assert row["generation"] == record.generation
         assert row["task_name"] == STEPS
+        # the default key: the job id is the task id (a pool child's from its record)
+        assert row["task_id"] == row["job_id"]
         assert 0 < row["remaining"] <= cluster.config.ttl
         assert not row["lost"]
     assert len({r["pid"] for r in rows}) == 2 if pool == "prefork" else 1
