@@ -27,6 +27,7 @@ import threading
 import weakref
 from typing import Any
 
+import click
 from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
@@ -51,6 +52,7 @@ from celery_leases.task import LeasedTask
 __all__ = [
     "STORE_CHECK_TIMEOUT",
     "LeasesStep",
+    "WorkerStartRefused",
     "check_app",
     "check_store",
     "in_prefork_child",
@@ -130,8 +132,26 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
         if leases_store is not None or leases_ttl is not None:
             forget_runtime(app)  # settings read before the options must be read again
         pool = str(getattr(parent, "pool_cls", "") or kwargs.get("pool", "") or "")
-        for warning in check_app(app, pool=pool):
+        try:
+            warnings = check_app(app, pool=pool)
+        except LeaseConfigurationError as exc:
+            # the message says what to change; a 40-line traceback through
+            # Celery's start would bury it, so it goes to the debug log only
+            logger.debug("the lease setup check failed", exc_info=True)
+            logger.error("celery-leases: the worker cannot start: %s", exc)
+            raise WorkerStartRefused(str(exc)) from None
+        for warning in warnings:
             logger.warning(warning)
+
+
+class WorkerStartRefused(LeaseConfigurationError, click.ClickException):
+    """The lease setup stops the worker at start.
+
+    A :class:`~celery_leases.errors.LeaseConfigurationError` that
+    ``celery worker`` (a click program) prints as one line,
+    ``Error: <what to change>``, exiting with status 1; the traceback is
+    logged at debug level (``--loglevel DEBUG``).
+    """
 
 
 def check_app(
