@@ -53,6 +53,7 @@ __all__ = [
     "STORE_CHECK_TIMEOUT",
     "LeasesStep",
     "WorkerStartRefused",
+    "banner_lines",
     "check_app",
     "check_store",
     "in_prefork_child",
@@ -142,6 +143,36 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             raise WorkerStartRefused(str(exc)) from None
         for warning in warnings:
             logger.warning(warning)
+        _add_to_banner(parent, banner_lines(settings_for(app)))
+
+
+def banner_lines(settings: LeaseSettings) -> list[str]:
+    """The ``[leases]`` section of the worker's banner: the store (password masked) and ttl."""
+    secrets = secrets_of(settings.store_url, settings.store_options)
+    timing = settings.timing()
+    return [
+        "[leases]",
+        f".> store:       {mask(settings.store_url, secrets=secrets)}",
+        f".> ttl:         {timing.ttl:g} s, renewed every {timing.renew_interval:g} s "
+        "(a task's lease_ttl overrides it)",
+    ]
+
+
+def _add_to_banner(worker: Any, lines: list[str]) -> None:
+    """Append ``lines`` to the banner ``celery worker`` prints after the start checks.
+
+    Celery has no hook for the banner: the worker's ``startup_info`` is
+    wrapped on this instance only (a programmatic worker has none).
+    """
+    startup_info = getattr(worker, "startup_info", None)
+    if startup_info is None:
+        return
+
+    def with_leases(artlines: bool = True) -> str:
+        indent = " " * 16 if artlines else ""  # the width of Celery's ASCII art
+        return str(startup_info(artlines=artlines)) + "".join(f"{indent}{line}\n" for line in lines)
+
+    worker.startup_info = with_leases
 
 
 class WorkerStartRefused(LeaseConfigurationError, click.ClickException):
