@@ -75,6 +75,8 @@ def test_inspect_leases_lists_what_each_worker_holds(
 
     rows = _inspect(cluster, worker)
     assert sorted(r["job_id"] for r in rows) == sorted(r.id for r in results)
+    # the job id is the task id here: each row names the task that holds it
+    assert [r["task_id"] for r in rows] == [r["job_id"] for r in rows]
     for row in rows:
         record = cluster.record(row["job_id"])
         assert record is not None
