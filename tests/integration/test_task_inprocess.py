@@ -610,7 +610,7 @@ def test_cli_options_are_added_once_and_override_the_settings(
     app.finalize()
     LeasedTask.on_bound(app)  # binding again does not add the options twice
     names = sorted(o.name for o in app.user_options["worker"])
-    assert names == ["leases_store", "leases_ttl"]
+    assert names == ["leases_metrics_port", "leases_store", "leases_ttl"]
     with start_worker(
         app, pool="solo", perform_ping_check=False, shutdown_timeout=30, leases_ttl=42.0
     ):
