@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
@@ -57,7 +57,7 @@ Bind = Engine | Connection | Session
 _UNSET: Any = object()
 
 
-class ExactlyOnce(Generic[T]):
+class ExactlyOnce:
     """The open transaction of :func:`exactly_once`.
 
     Attributes:
@@ -91,7 +91,7 @@ class ExactlyOnce(Generic[T]):
 
 
 @contextlib.contextmanager
-def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce[Any]]:
+def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
     """One transaction holding the task's writes and its fenced completion.
 
     Call it in the body of a ``LeasedTask`` whose lease store is an
@@ -130,7 +130,7 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce[Any]]:
     with _opened(bind) as (connection, session, commit, rollback):
         try:
             _fenced(lease, lock_in_transaction, connection, store)
-            tx: ExactlyOnce[Any] = ExactlyOnce(connection, session, lease)
+            tx = ExactlyOnce(connection, session, lease)
             yield tx
             if not tx.completing:
                 raise LeaseConfigurationError(
