@@ -106,7 +106,6 @@ def make_app(config: Config) -> Celery:
             "worker": config.worker,
         }
 
-    # --8<-- [start:charge-once]
     @app.task(base=LeasedTask, bind=True, name=CHARGE_ONCE, shared=False)  # type: ignore[untyped-decorator]
     def charge_invoice_once(self: Any, invoice_id: int) -> dict[str, Any]:
         """Charge one invoice: the receipt (fenced), then the ledger entry
@@ -131,8 +130,6 @@ def make_app(config: Config) -> Celery:
                     "worker": config.worker,
                 }
             )
-
-    # --8<-- [end:charge-once]
 
     _record_lease_signals(app, timeline, config.worker)
     return app
