@@ -145,8 +145,18 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
             lease.check()
             outcome = encode_value(tx._value, **outcome_options(task))
             _fenced(lease, complete_in_transaction, connection, store, outcome)
+        except exc.OperationalError as error:
+            # a lost connection, a timeout, a lock not granted: nothing was
+            # committed, so the job runs again (a constraint or a bad
+            # statement is the task's own error and passes through)
+            _roll_back(rollback)
+            raise _unavailable(
+                lease,
+                f"the transaction of job {lease.job_id!r} (generation {lease.generation}) "
+                f"failed: {error.orig}; it was rolled back, nothing was written",
+            ) from error
         except BaseException:
-            rollback()
+            _roll_back(rollback)
             raise
         try:
             commit()
@@ -154,6 +164,13 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
             _settle_commit(lease, error)
     lease.finish()
     lease.completed_in_transaction = True
+
+
+def _roll_back(rollback: Callable[[], None]) -> None:
+    # on a dead connection the rollback fails too; the error that broke the
+    # transaction is the one to raise, and the server rolls back on its own
+    with contextlib.suppress(exc.SQLAlchemyError):
+        rollback()
 
 
 def _sql_store(lease: Lease) -> OnceStore:

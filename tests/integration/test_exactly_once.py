@@ -293,3 +293,57 @@ def test_a_store_outside_sql_is_refused(
     memory_app = make_app("memory://")
     error = errors_of(memory_app, recorder, lambda: engine, lambda bind: bind)
     assert "needs an SQL lease store" in error
+
+
+def fail_transiently(conn: sa.Connection) -> None:
+    """A statement that fails as a lost connection or a timeout would
+    (``OperationalError``), in either database."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SET LOCAL statement_timeout = 1"))
+        conn.execute(sa.text("SELECT pg_sleep(1)"))
+    else:
+        conn.execute(sa.text("SELECT * FROM a_table_that_is_not_there"))
+
+
+def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
+    def bill(self: LeasedTask) -> int:
+        lease = self.lease
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, lease)
+            if not recorder.of("failed"):
+                recorder.add("failed", lease.generation)
+                fail_transiently(tx.connection)
+            return tx.complete(lease.generation)
+
+    with worker(app):
+        result = bill.delay()
+        generation = result.get(timeout=WAIT)
+    assert generation > recorder.of("failed")[0]
+    assert rows_of(engine, effects, result.id) == 1
+    assert [e["reason"] for e in recorder.of("lease_fenced_out")] == ["unavailable"]
+
+
+def test_a_constraint_violation_is_the_task_s_own_failure(
+    app: Celery, engine: sa.Engine, effects: sa.Table
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> None:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            twice = sa.insert(effects).values(id=-1, job_id="x", generation=1)
+            tx.connection.execute(twice)
+            tx.connection.execute(twice)
+            tx.complete(None)
+
+    with worker(app):
+        result = bill.delay()
+        # Celery rebuilds an exception it cannot import by its name
+        with pytest.raises(Exception, match="IntegrityError"):
+            result.get(timeout=WAIT, propagate=True)
+    assert rows_of(engine, effects, result.id) == 0
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.RELEASED
