@@ -160,7 +160,8 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
             raise
         try:
             commit()
-        except exc.DBAPIError as error:
+        except exc.OperationalError as error:
+            # the reply may be lost after the server committed: ask the record
             _settle_commit(lease, error)
     lease.finish()
     lease.completed_in_transaction = True

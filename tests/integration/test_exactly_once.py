@@ -347,3 +347,44 @@ def test_a_constraint_violation_is_the_task_s_own_failure(
     record = store_for(app).get(result.id)
     assert record is not None
     assert record.state is LeaseState.RELEASED
+
+
+def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
+    app: Celery, database: str, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    """The server ends the session just before the COMMIT: nothing was
+    committed, the record still names this run as holder, so the run is
+    fenced out and the job runs again; its row is written once."""
+    if not database.startswith("postgresql"):
+        pytest.skip("ends the server's session with pg_terminate_backend")
+
+    def end_the_session(conn: sa.Connection) -> None:
+        if recorder.of("ended"):
+            return
+        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        recorder.add("ended", pid)
+        with engine.connect() as other:
+            other.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+            other.commit()
+
+    sa.event.listen(engine, "commit", end_the_session)
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
+    def bill(self: LeasedTask) -> int:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            return tx.complete(self.lease.generation)
+
+    try:
+        with worker(app):
+            result = bill.delay()
+            generation = result.get(timeout=WAIT)
+    finally:
+        sa.event.remove(engine, "commit", end_the_session)
+    assert recorder.of("ended")
+    assert rows_of(engine, effects, result.id) == 1
+    [fenced] = recorder.of("lease_fenced_out")
+    assert fenced["reason"] == "unavailable"
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
