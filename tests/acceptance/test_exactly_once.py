@@ -1,7 +1,7 @@
 """Exactly-once database effects with real workers, kills, pauses and duplicates.
 
 Each job of ``acceptance.once`` inserts one row in a table of the lease
-store's own database (SQLite), inside ``exactly_once``. The
+store's own database (PostgreSQL or SQLite), inside ``exactly_once``. The
 pool process SIGKILLs itself once per job at every step (before the
 transaction, inside it, after the commit, after Celery stored the result),
 each message is delivered twice, and a worker is frozen past its lease; the
@@ -26,10 +26,11 @@ from tests.acceptance.conftest import Cluster, StoreTarget
 from tests.acceptance.harness import wait_until
 from tests.acceptance.once_app import ONCE, STEPS, effects_table, engine_for
 
-# SQLite here; PostgreSQL runs the same kills at every step, with pauses,
-# duplicates, partitions and store restarts besides, in the chaos harness's
-# once profile (tests/chaos/test_chaos_run.py)
-pytestmark = pytest.mark.parametrize("lease_store_target", ["sqlite"], indirect=True)
+# The kills at every step run on both databases; the rest on SQLite here, and
+# on PostgreSQL, with partitions and store restarts besides, in the chaos
+# harness's once profile (tests/chaos/test_chaos_run.py)
+BOTH = pytest.mark.parametrize("lease_store_target", ["postgres", "sqlite"], indirect=True)
+SQLITE = pytest.mark.parametrize("lease_store_target", ["sqlite"], indirect=True)
 
 ONCE_APP = "tests.acceptance.once_app"
 
@@ -75,6 +76,7 @@ def kills(cluster: Cluster) -> dict[str, int]:
     return {step: int(cluster.side.client.get(f"side:once-kills:{step}") or 0) for step in STEPS}
 
 
+@BOTH
 def test_every_effect_is_applied_once_under_duplicates_and_a_kill_at_every_step(
     cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
 ) -> None:
@@ -106,6 +108,7 @@ def test_every_effect_is_applied_once_under_duplicates_and_a_kill_at_every_step(
         assert value == {"job_id": job, "generation": record.generation}
 
 
+@SQLITE
 def test_the_checker_catches_writes_committed_apart_from_the_completion(
     cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
 ) -> None:
@@ -121,6 +124,7 @@ def test_the_checker_catches_writes_committed_apart_from_the_completion(
     assert not_once(effects_per_job(lease_store_target, effects, jobs)) == dict.fromkeys(jobs, 2)
 
 
+@SQLITE
 def test_a_worker_frozen_past_its_lease_applies_nothing(
     cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
 ) -> None:
