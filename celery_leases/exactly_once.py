@@ -110,8 +110,10 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
 
     Raises:
         LeaseLost: the lease is not current (lost locally, or taken over,
-            released or run out by the database's clock); nothing was
-            committed, and the run ends fenced out.
+            released or run out by the database's clock), or the database
+            failed before the commit (a lost connection, a timeout:
+            ``reason`` ``"unavailable"``); nothing was committed, and the run
+            ends fenced out and its message is published again.
         LeaseConfigurationError: the lease store is not SQL, ``bind`` is on
             another database, already in a transaction, or the block ended
             without ``tx.complete()``; nothing was committed.
