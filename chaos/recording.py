@@ -182,6 +182,36 @@ class RecordingStore(LeaseStore):
             lambda: self._to_worker(job_id, self.inner._release(job_id, owner, real)),
         )  # fmt: skip
 
+    # -- exactly_once: the SQL store's statements on the task's connection ------
+
+    @property
+    def table(self) -> Any:
+        return getattr(self.inner, "table")  # noqa: B009  # only a SqlStore has one
+
+    @property
+    def dialect_name(self) -> str:
+        return str(getattr(self.inner, "dialect_name"))  # noqa: B009
+
+    def lock_in(self, conn: Any, job_id: str, owner: str, generation: int) -> bool:
+        inner: Any = self.inner
+        return self._op(
+            "lock-in-transaction", job_id, owner, generation,
+            lambda: bool(inner.lock_in(conn, job_id, owner, generation)),
+        )  # fmt: skip
+
+    def complete_in(
+        self, conn: Any, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
+        # recorded apart from "complete": it counts only if its transaction
+        # commits, which the effects table shows
+        inner: Any = self.inner
+
+        def complete() -> CompleteResult:
+            result: CompleteResult = inner.complete_in(conn, job_id, owner, generation, outcome)
+            return result
+
+        return self._op("complete-in-transaction", job_id, owner, generation, complete)
+
     def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
         return self.inner._force_release(job_id, by, reason)
 

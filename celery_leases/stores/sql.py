@@ -264,6 +264,34 @@ class SqlStore(LeaseStore):
         """
         return sa.exists().where(_held_by(self.table, job_id, owner, generation))
 
+    def lock_in(self, conn: Connection, job_id: str, owner: str, generation: int) -> bool:
+        """Lock the record in ``conn``'s open transaction while ``owner``
+        holds ``job_id`` with ``generation`` and the lease has not run out
+        (by the database's clock); False when it does not.
+
+        ``conn`` is the caller's, on this store's database; its driver
+        errors pass through. The lock lasts until that transaction ends.
+        """
+        parameters = {"p_job_id": job_id, "p_owner": owner, "p_generation": generation}
+        return self._operations.lock(conn, parameters)
+
+    def complete_in(
+        self, conn: Connection, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
+        """The fenced completion, run in ``conn``'s open transaction: it
+        commits (or rolls back) with that transaction.
+
+        ``conn`` is the caller's, on this store's database; its driver
+        errors pass through.
+        """
+        parameters = {
+            "p_job_id": job_id,
+            "p_owner": owner,
+            "p_generation": generation,
+            "p_outcome": outcome,
+        }
+        return self._operations.complete(conn, parameters)
+
     # -- hooks --------------------------------------------------------------
 
     def _now_ms(self) -> int:

@@ -213,6 +213,13 @@ class Operations:
             return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
         return Completed(job_id, generation)
 
+    def lock(self, conn: Connection, parameters: dict[str, Any]) -> bool:
+        """Lock a current lease in ``conn``'s transaction; whether it matched."""
+        result = conn.execute(self.statements.lock, parameters)
+        if result.returns_rows:
+            return result.first() is not None
+        return bool(result.rowcount == 1)
+
     def release(self, conn: Connection, parameters: dict[str, Any]) -> ReleaseResult:
         job_id, owner, generation = (
             parameters["p_job_id"],

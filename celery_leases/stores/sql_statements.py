@@ -256,6 +256,22 @@ def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
     )
 
 
+def _lock_statement(table: sa.Table, dialect: _Dialect) -> Any:
+    """Lock the record of ``:p_job_id`` while ``:p_owner`` holds it with
+    ``:p_generation`` and its lease has not run out, as the first statement
+    of a caller's transaction; it matches one row or none.
+
+    ``SELECT ... FOR UPDATE`` where the database locks rows that way
+    (PostgreSQL, MySQL). SQLite has no row locks: an UPDATE that changes
+    nothing takes the database's write lock, which a claim needs too.
+    """
+    t = table
+    current = sa.and_(_held_by_parameters(t), t.c.lease_until > dialect.now_ms())
+    if dialect.name == "sqlite":
+        return sa.update(t).values(generation=t.c.generation).where(current)
+    return sa.select(t.c.generation).where(current).with_for_update()
+
+
 @dataclass(frozen=True)
 class _Statements:
     """Every statement of a store's hot path, built once (see above)."""
@@ -269,6 +285,8 @@ class _Statements:
     renew: Any
     renew_many: Any
     complete: Any
+    #: lock a current lease in a caller's transaction (see _lock_statement)
+    lock: Any
     release: Any
     #: an operator's release; RETURNING the whole record
     force_release: Any
@@ -318,6 +336,7 @@ class _Statements:
                 .where(_held_by_parameters(t))
                 .returning(t.c.job_id)
             ),
+            lock=_lock_statement(t, dialect),
             release=(
                 sa.update(t)
                 .values(
