@@ -148,6 +148,9 @@ class Lease:
         self._finished = False
         #: renewals the store accepted so far
         self.renewals = 0
+        #: the run's completion committed with its writes, in the task's own
+        #: transaction (celery_leases.exactly_once): the run is not completed again
+        self.completed_in_transaction = False
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else f"{self.remaining():.1f}s left"

@@ -37,6 +37,9 @@ class ChaosConfig:
     sql_target: str = ""
     redis_target: str = ""
     variant: str = ""
+    #: the table (in the store's own database) of the exactly-once effects;
+    #: "" when the jobs make none
+    once_table: str = ""
 
     @property
     def redis(self) -> str:

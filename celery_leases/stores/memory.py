@@ -77,7 +77,13 @@ class MemoryStore(LeaseStore):
         return self._clock()
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         with self._lock:
             now = self._clock()
@@ -86,7 +92,7 @@ class MemoryStore(LeaseStore):
             if record is None:
                 generation = now
             elif record.state is LeaseState.COMPLETED:
-                if send_id is None or send_id == record.send_id:
+                if record.is_same_run(send_id):
                     return AlreadyCompleted(
                         job_id, record.generation, record.send_id, record.outcome
                     )
@@ -111,6 +117,7 @@ class MemoryStore(LeaseStore):
                 renew_count=0,
                 takeovers=takeovers,
                 send_id=send_id or "",
+                task_id=task_id,
             )
             return Acquired(job_id, owner, generation, now + ttl_ms, now, takeovers)
 

@@ -263,7 +263,13 @@ class RedisStore(RedisBatches, LeaseStore):
     # -- backend hooks ---------------------------------------------------------
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         with self._errors("claim", job_id):
             reply = self._eval(
@@ -274,6 +280,7 @@ class RedisStore(RedisBatches, LeaseStore):
                 task_name,
                 send_id or "",
                 "0" if send_id is None else "1",
+                task_id,
             )
             code = int(reply[0])
             if code == scripts.ACQUIRED:
