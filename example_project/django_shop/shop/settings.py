@@ -1,7 +1,9 @@
 """Settings of the shop: SQLite in db.sqlite3 and kombu's filesystem broker, no server.
 
 ``SHOP_DATA`` moves the data files (default: this folder); ``SHOP_POSTGRES``
-(a ``postgresql://user@host:port/name`` URL) puts the database on PostgreSQL.
+(a ``postgresql://user@host:port/name`` URL) puts the database on PostgreSQL;
+``SHOP_DB_NAME`` names another database on it (the tests start workers on
+the test database with it).
 """
 
 import os
@@ -71,6 +73,8 @@ if os.environ.get("SHOP_POSTGRES"):
         "HOST": url.hostname or "",
         "PORT": str(url.port or ""),
     }
+if os.environ.get("SHOP_DB_NAME"):
+    DATABASES["default"]["NAME"] = os.environ["SHOP_DB_NAME"]
 
 # --8<-- [start:celery]
 BROKER_FOLDER = DATA / "broker"
@@ -81,10 +85,11 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "store_processed": True,
     "processed_folder": str(BROKER_FOLDER / "processed"),
     "control_folder": str(BROKER_FOLDER / "control"),
+    "polling_interval": 0.1,  # seconds between looks into the folder
 }
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False  # the filesystem broker has no fan-out
 CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = f"db+sqlite:///{DATA / 'results.sqlite3'}"
 
 CELERY_LEASES_STORE = "django://default"  # the lease table of the migration
 CELERY_LEASES_TTL = 3  # renewed every second while a task runs

@@ -1,0 +1,58 @@
+"""The Django tests (tests/django_app and the shop's), on SQLite and on PostgreSQL.
+
+Django's settings are one per process, and pytest-django is off in this
+suite (``-p no:django``), so each database gets a pytest process of its own
+on ``example_project/django_shop/pytest.ini``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import PostgresServer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INI = REPO_ROOT / "example_project" / "django_shop" / "pytest.ini"
+
+
+def run_django_tests(tmp_path: Path, **env: str) -> str:
+    completed = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(INI), "-q"],
+        cwd=INI.parent,  # its testpaths are used from there
+        env={
+            **os.environ,
+            "SHOP_DATA": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    summary = output.strip().splitlines()[-1]
+    assert re.search(r"\b\d+ passed\b", summary), output
+    assert not re.search(r"skipped|xfailed|error", summary), output
+    return summary
+
+
+def test_the_django_tests_pass_on_sqlite(tmp_path: Path) -> None:
+    run_django_tests(tmp_path)
+
+
+@pytest.mark.postgres
+def test_the_django_tests_pass_on_postgresql(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    url = postgres_server.url.replace("postgresql+psycopg://", "postgresql://")
+    run_django_tests(tmp_path, SHOP_POSTGRES=url)
