@@ -4,13 +4,13 @@
 from typing import Any
 
 import pytest
-
-from celery_leases import StaleFencingToken
-from celery_leases.fencing import Token
-from celery_leases.contrib.django.fencing import fenced_update
-from celery_leases.contrib.django.models import Lease
 from orders.models import Order
 from orders.tasks import charge
+
+from celery_leases import StaleFencingToken
+from celery_leases.contrib.django.fencing import fenced_update
+from celery_leases.contrib.django.models import Lease
+from celery_leases.fencing import Token
 
 
 # the worker's connections see only what the test commits: transaction=True
