@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from django.db import transaction
 from orders.models import Order
 
 from celery_leases.contrib.django import fencing as orm
@@ -115,8 +116,12 @@ def test_fenced_save_inserts_updates_and_refuses_a_stale_generation() -> None:
 @pytest.mark.parametrize("on_repeat", REPEATS)
 @pytest.mark.parametrize(
     ("first", "second"),
-    [(("job-1", 5), ("job-1", 7)), (("job-1", 7), ("job-1", 5)), (("job-1", 5), ("job-1", 5))]
-    + [(("job-1", 5), ("job-2", 5))],
+    [
+        (("job-1", 5), ("job-1", 7)),
+        (("job-1", 7), ("job-1", 5)),
+        (("job-1", 5), ("job-1", 5)),
+        (("job-1", 5), ("job-2", 5)),
+    ],
 )
 def test_advance_fence_answers_as_the_sqlalchemy_form_does_on_the_same_table(
     engine: sa.Engine, first: tuple[str, int], second: tuple[str, int], on_repeat: Any
@@ -139,12 +144,15 @@ def test_advance_fence_answers_as_the_sqlalchemy_form_does_on_the_same_table(
 
 
 def test_a_refused_fence_rolls_back_the_writes_of_its_transaction() -> None:
-    from django.db import transaction
-
     order = Order.objects.create()
     orm.advance_fence(f"order:{order.pk}", Token("job-1", 9))
-    with pytest.raises(StaleFencingToken), transaction.atomic():
-        Order.objects.filter(pk=order.pk).update(status="stale")
-        orm.advance_fence(f"order:{order.pk}", Token("job-1", 8))
+
+    def stale_write() -> None:
+        with transaction.atomic():
+            Order.objects.filter(pk=order.pk).update(status="stale")
+            orm.advance_fence(f"order:{order.pk}", Token("job-1", 8))
+
+    with pytest.raises(StaleFencingToken):
+        stale_write()
     order.refresh_from_db()
     assert order.status == "open"

@@ -5,8 +5,9 @@ import time
 from pathlib import Path
 
 from celery import shared_task
+from celery.utils.log import get_task_logger
 
-from celery_leases import LeasedTask
+from celery_leases import LeasedTask, StaleFencingToken
 from celery_leases.contrib.django.fencing import fenced_update
 from orders.models import Order
 
@@ -20,6 +21,8 @@ def charge(self: LeasedTask, order_id: int) -> int:
 
 # --8<-- [end:tasks]
 
+logger = get_task_logger(__name__)
+
 
 @shared_task(base=LeasedTask, bind=True)
 def pack(self: LeasedTask, order_id: int, go_file: str) -> int:
@@ -31,5 +34,10 @@ def pack(self: LeasedTask, order_id: int, go_file: str) -> int:
     deadline = time.monotonic() + 60
     while not Path(go_file).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    fenced_update(Order.objects.filter(pk=order_id), self.lease, status="packed")
+    try:
+        fenced_update(Order.objects.filter(pk=order_id), self.lease, status="packed")
+    except StaleFencingToken as refused:
+        # a newer run wrote the order: this run stops, the library fences it out
+        logger.warning("order %s not packed: %s", order_id, refused)
+        raise
     return self.lease.generation
