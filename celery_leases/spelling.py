@@ -66,9 +66,12 @@ def misspelled_settings(conf: Any) -> list[str]:
     ``namespace="CELERY"``) are judged by the name after it, and the
     suggestion keeps their form (``CELERY_LEASES_TTL``).
     """
+    keys = sorted({str(k) for k in conf.keys()})  # noqa: SIM118 - Celery's conf is no dict
+    # read after the keys: until then app.conf is a stand-in that answers
+    # every attribute as a setting (None for "prefix")
     prefix = str(getattr(conf, "prefix", None) or "")
     found = []
-    for key in sorted({str(k) for k in conf.keys()}):  # noqa: SIM118 - Celery's conf is no dict
+    for key in keys:
         name, namespace = _setting_name(key, prefix)
         if _looks_like_ours(name) and name not in SETTINGS:
             found.append(
