@@ -1,4 +1,4 @@
-"""The plugin's leases_worker under pytest-django: a test wrapped in a transaction is told at once."""
+"""leases_worker under pytest-django: a test wrapped in a transaction is told at once."""
 
 from __future__ import annotations
 

@@ -18,13 +18,17 @@ import pytest
 from tests.servers import PostgresServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-INI = REPO_ROOT / "example_project" / "django_shop" / "pytest.ini"
+SHOP = REPO_ROOT / "example_project" / "django_shop"
+INI = SHOP / "pytest.ini"
+#: the shop's own tests (with their fixtures in tests/conftest.py), then the
+#: tests of celery_leases.contrib.django
+TESTS = [SHOP / "tests" / "test_orders.py", REPO_ROOT / "tests" / "django_app"]
 
 
 def run_django_tests(tmp_path: Path, **env: str) -> str:
     completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(INI), "-q"],
-        cwd=INI.parent,  # its testpaths are used from there
+        [sys.executable, "-m", "pytest", "-c", str(INI), "-q", *map(str, TESTS)],
+        cwd=SHOP,
         env={
             **os.environ,
             "SHOP_DATA": str(tmp_path),

@@ -17,6 +17,7 @@ SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "insecure-key-of-the-example-only
 DEBUG = True
 ALLOWED_HOSTS = ["localhost", "127.0.0.1", "testserver"]
 
+# --8<-- [start:apps]
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
@@ -26,6 +27,7 @@ INSTALLED_APPS = [
     "celery_leases.contrib.django",
     "orders",
 ]
+# --8<-- [end:apps]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
