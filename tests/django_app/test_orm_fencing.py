@@ -38,42 +38,43 @@ def outcome(write: Any) -> FenceResult | str:
 
 
 @pytest.mark.parametrize("on_repeat", REPEATS)
-@pytest.mark.parametrize(("stored", "incoming"), [(None, 5), (5, 7), (7, 5), (5, 5)])
 def test_fenced_update_answers_as_the_sqlalchemy_form_does(
-    engine: sa.Engine, stored: int | None, incoming: int, on_repeat: Any
+    engine: sa.Engine, on_repeat: Any
 ) -> None:
     orders = sa.Table("orders_order", sa.MetaData(), autoload_with=engine)
-    core_row = Order.objects.create(fence_generation=stored)
-    orm_row = Order.objects.create(fence_generation=stored)
-    token = Token("job-1", incoming)
-    with engine.begin() as conn:
-        by_core = outcome(
-            lambda: core.fenced_update(
-                conn,
-                orders,
-                {"status": "paid"},
-                where=orders.c.id == core_row.pk,
-                token=token,
+    for stored, incoming in [(None, 5), (5, 7), (7, 5), (5, 5)]:
+        core_row = Order.objects.create(fence_generation=stored)
+        orm_row = Order.objects.create(fence_generation=stored)
+        token = Token("job-1", incoming)
+        with engine.begin() as conn:
+            by_core = outcome(
+                lambda: core.fenced_update(
+                    conn,
+                    orders,
+                    {"status": "paid"},
+                    where=orders.c.id == core_row.pk,  # noqa: B023 - called at once
+                    token=token,  # noqa: B023
+                    on_repeat=on_repeat,
+                    resource="orders",
+                )
+            )
+        by_orm = outcome(
+            lambda: orm.fenced_update(
+                Order.objects.filter(pk=orm_row.pk),  # noqa: B023 - called at once
+                token,  # noqa: B023
                 on_repeat=on_repeat,
                 resource="orders",
+                status="paid",
             )
         )
-    by_orm = outcome(
-        lambda: orm.fenced_update(
-            Order.objects.filter(pk=orm_row.pk),
-            token,
-            on_repeat=on_repeat,
-            resource="orders",
-            status="paid",
-        )
-    )
-    assert by_orm == by_core
-    core_row.refresh_from_db()
-    orm_row.refresh_from_db()
-    assert (orm_row.status, orm_row.fence_generation) == (
-        core_row.status,
-        core_row.fence_generation,
-    )
+        case = f"stored {stored}, incoming {incoming}"
+        assert by_orm == by_core, case
+        core_row.refresh_from_db()
+        orm_row.refresh_from_db()
+        assert (orm_row.status, orm_row.fence_generation) == (
+            core_row.status,
+            core_row.fence_generation,
+        ), case
 
 
 def test_a_stale_generation_changes_nothing_and_says_which_won() -> None:
@@ -114,33 +115,39 @@ def test_fenced_save_inserts_updates_and_refuses_a_stale_generation() -> None:
 
 
 @pytest.mark.parametrize("on_repeat", REPEATS)
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [
+def test_advance_fence_answers_as_the_sqlalchemy_form_does_on_the_same_table(
+    engine: sa.Engine, on_repeat: Any
+) -> None:
+    fences = core.fence_table(sa.MetaData())
+    cases = [
         (("job-1", 5), ("job-1", 7)),
         (("job-1", 7), ("job-1", 5)),
         (("job-1", 5), ("job-1", 5)),
         (("job-1", 5), ("job-2", 5)),
-    ],
-)
-def test_advance_fence_answers_as_the_sqlalchemy_form_does_on_the_same_table(
-    engine: sa.Engine, first: tuple[str, int], second: tuple[str, int], on_repeat: Any
-) -> None:
-    fences = core.fence_table(sa.MetaData())
-    # the core form moves the fence first, the ORM second, and the reverse
-    with engine.begin() as conn:
-        core.advance_fence(conn, "account:1", Token(*first), fences=fences)
-    by_orm = outcome(lambda: orm.advance_fence("account:1", Token(*second), on_repeat=on_repeat))
-    orm.advance_fence("account:2", Token(*first))
-    with engine.begin() as conn:
-        by_core = outcome(
-            lambda: core.advance_fence(
-                conn, "account:2", Token(*second), fences=fences, on_repeat=on_repeat
-            )
+    ]
+    for number, (first, second) in enumerate(cases):
+        by_orm_name, by_core_name = f"orm:{number}", f"core:{number}"
+        # the core form moves the fence first and the ORM second, and the reverse
+        with engine.begin() as conn:
+            core.advance_fence(conn, by_orm_name, Token(*first), fences=fences)
+        by_orm = outcome(
+            lambda: orm.advance_fence(by_orm_name, Token(*second), on_repeat=on_repeat)  # noqa: B023
         )
-    assert str(by_orm).replace("account:1", "X") == str(by_core).replace("account:2", "X")
-    one, two = Fence.objects.get(pk="account:1"), Fence.objects.get(pk="account:2")
-    assert (one.job_id, one.generation) == (two.job_id, two.generation)
+        orm.advance_fence(by_core_name, Token(*first))
+        with engine.begin() as conn:
+            by_core = outcome(
+                lambda: core.advance_fence(
+                    conn,
+                    by_core_name,  # noqa: B023 - called at once
+                    Token(*second),  # noqa: B023
+                    fences=fences,
+                    on_repeat=on_repeat,
+                )
+            )
+        case = f"{first} then {second}"
+        assert str(by_orm).replace(by_orm_name, "X") == str(by_core).replace(by_core_name, "X")
+        one, two = Fence.objects.get(pk=by_orm_name), Fence.objects.get(pk=by_core_name)
+        assert (one.job_id, one.generation) == (two.job_id, two.generation), case
 
 
 def test_a_refused_fence_rolls_back_the_writes_of_its_transaction() -> None:
