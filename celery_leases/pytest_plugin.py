@@ -283,6 +283,8 @@ def leases_worker_parameters() -> Mapping[str, Any]:
 
 def _in_django_test_transaction(request: pytest.FixtureRequest) -> bool:
     """Whether pytest-django runs this test inside a transaction it rolls back."""
+    if not request.config.pluginmanager.hasplugin("django"):
+        return False  # a fixture of one's own may be called "db"
     names = set(request.fixturenames)
     if names & {"transactional_db", "live_server"}:
         return False
