@@ -7,13 +7,16 @@ file the test makes, then writes it again ("packed"), both through
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.test import Client
 from orders.models import Order
 from orders.tasks import pack
@@ -23,7 +26,7 @@ from celery_leases.contrib.django.models import Lease
 from celery_leases.stores import LeaseStore
 from celery_leases.stores.base import Acquired, LeaseState
 from tests.acceptance.harness import wait_until
-from tests.django_app.conftest import StartWorker
+from tests.django_app.conftest import SHOP, StartWorker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -119,3 +122,22 @@ def test_a_misspelled_setting_is_named_at_worker_start(
     worker = start_worker(env={"DJANGO_SETTINGS_MODULE": "misspelled_settings"})
     assert "'CELERY_LEASES_TLL' is not a celery-leases setting" in worker.log()
     assert "did you mean 'CELERY_LEASES_TTL'?" in worker.log()
+
+
+def test_celery_leases_ls_opens_the_django_store(django_store: LeaseStore) -> None:
+    django_store.claim("job-listed", "owner", 30, task_name="orders.tasks.charge")
+    listed = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "shop", "leases", "ls", "--json"],
+        cwd=SHOP,
+        env={
+            **os.environ,
+            "SHOP_DB_NAME": str(connection.settings_dict["NAME"]),
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [r["job_id"] for r in json.loads(listed.stdout)["records"]] == ["job-listed"]
