@@ -34,6 +34,8 @@ KINDS = (
     "leases-postgres",
     "leases-sqlite",
     "floor",
+    "floor-postgres",
+    "floor-sqlite",
     "celery-once",
     "celery-singleton",
     "fencekit",
@@ -49,6 +51,8 @@ GUARANTEES: dict[str, tuple[bool, bool, bool, bool, bool]] = {
     "leases-postgres": (True, True, True, True, True),
     "leases-sqlite": (True, True, True, True, True),
     "floor": (True, False, False, True, True),
+    "floor-postgres": (True, False, False, True, True),
+    "floor-sqlite": (True, False, False, True, True),
     "celery-once": (False, False, False, False, False),
     "celery-singleton": (False, False, False, False, False),
     "fencekit": (True, False, False, False, True),
@@ -115,6 +119,68 @@ class FloorTask(Task):  # type: ignore[misc]
         return result
 
 
+# The SQL floor: the same two steps as the Redis floor, each one plain
+# statement in autocommit on the database the SQL store would use, through
+# the same driver stack as the store (SQLAlchemy Core, no pre-ping). The
+# claim inserts the job's row and returns its token, or nothing when the row
+# exists (held or completed); the complete marks it done while the token
+# still holds it.
+SQL_FLOOR_CLAIM = (
+    "INSERT INTO bench_floor (job_id, token, done) VALUES (:job_id, :token, 0) "
+    "ON CONFLICT (job_id) DO NOTHING RETURNING token"
+)
+SQL_FLOOR_COMPLETE = (
+    "UPDATE bench_floor SET done = 1 WHERE job_id = :job_id AND token = :token AND done = 0"
+)
+
+
+class _SqlFloor:
+    """The SQL floor's engine, one per process (pool children fork)."""
+
+    def __init__(self, url: str) -> None:
+        import sqlalchemy as sa
+
+        self.pid = os.getpid()
+        self.engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+        self.claim, self.complete = sa.text(SQL_FLOOR_CLAIM), sa.text(SQL_FLOOR_COMPLETE)
+
+
+def create_sql_floor_table(url: str) -> None:
+    """Create the SQL floor's table (the driver does this before a worker starts)."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "CREATE TABLE IF NOT EXISTS bench_floor "
+            "(job_id VARCHAR(200) PRIMARY KEY, token VARCHAR(200) NOT NULL, done INTEGER NOT NULL)"
+        ))  # fmt: skip
+    engine.dispose()
+
+
+_sql_floor: _SqlFloor | None = None
+
+
+class SqlFloorTask(Task):  # type: ignore[misc]
+    """One claim statement before the body, one complete statement after it."""
+
+    floor_url = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        global _sql_floor
+        if _sql_floor is None or _sql_floor.pid != os.getpid():
+            _sql_floor = _SqlFloor(self.floor_url)
+        job = {"job_id": f"floor:{self.request.id}"}
+        token = f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+        with _sql_floor.engine.connect() as conn:
+            if conn.execute(_sql_floor.claim, {**job, "token": token}).first() is None:
+                return None
+        result = super().__call__(*args, **kwargs)
+        with _sql_floor.engine.connect() as conn:
+            conn.execute(_sql_floor.complete, {**job, "token": token})
+        return result
+
+
 def make_app(
     kind: str,
     *,
@@ -147,6 +213,9 @@ def make_app(
             options["base"] = type("Floor", (FloorTask,), {
                 "floor_url": store, "floor_ttl_ms": int(ttl * 1000),
             })  # fmt: skip
+    elif kind in ("floor-postgres", "floor-sqlite"):
+        app.conf.task_acks_late = True
+        options["base"] = type("SqlFloor", (SqlFloorTask,), {"floor_url": store})
     elif kind.startswith("leases-"):
         from celery_leases import LeasedTask
 

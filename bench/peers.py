@@ -47,13 +47,21 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from peer_tasks import GUARANTEE_NAMES, GUARANTEES, KINDS, make_app  # noqa: E402
+from peer_tasks import (  # noqa: E402
+    GUARANTEE_NAMES,
+    GUARANTEES,
+    KINDS,
+    create_sql_floor_table,
+    make_app,
+)
 
 WORKLOADS = {"trivial": (2000, 0.0), "50ms": (200, 0.05)}
 #: kinds that cannot run in this benchmark, and why (shown in the table)
 NOT_RUN: dict[str, str] = {}
 #: the queues relier's README has its worker consume; its tasks go to "default"
 RELIER_QUEUES = ("high_priority", "default", "low_priority", "re-queue")
+#: the kinds whose store is SQL (no Redis round trips or commands to count)
+SQL_KINDS = ("leases-postgres", "leases-sqlite", "floor-postgres", "floor-sqlite")
 #: the dash of an empty cell or a range, in the Markdown
 DASH = "\u2013"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -80,10 +88,12 @@ class Servers:
     sqlite_dir: Path
 
     def store_url(self, kind: str) -> str:
-        if kind == "leases-postgres":
+        if kind in ("leases-postgres", "floor-postgres"):
             return str(self.postgres.url)
         if kind == "leases-sqlite":
             return f"sqlite:///{self.sqlite_dir / 'leases.db'}"
+        if kind == "floor-sqlite":
+            return f"sqlite:///{self.sqlite_dir / 'floor.db'}"
         return str(self.store.url)
 
 
@@ -173,6 +183,8 @@ def _run(
     store.flushdb()
     store.config_resetstat()
     watcher = _Monitor(servers.store.url) if monitor else None
+    if kind in ("floor-postgres", "floor-sqlite"):
+        create_sql_floor_table(store_url)
 
     client, task = make_app(
         kind, broker=broker_url, backend=backend_url, store=store_url,
@@ -327,7 +339,7 @@ def write_report(
                 cmds = _cell([r.commands_per_task for r in rows if r.commands_per_task is not None])
                 trip = trips.get((kind, workload))
                 trip_cell = f"{trip:.2f}" if trip is not None else DASH
-                if kind in ("leases-postgres", "leases-sqlite"):
+                if kind in SQL_KINDS:
                     cmds, trip_cell = DASH, DASH
                 lines.append(
                     f"| {workload} | {kind} | {pool} | {_cell(ratios)} | {spread} | {cpu} "
@@ -444,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     broker = RedisServer("--appendonly", "no")
     store = RedisServer("--appendfsync", "everysec")
-    postgres = PostgresServer() if any(k == "leases-postgres" for k in kinds) else None
+    postgres = PostgresServer() if any(k.endswith("-postgres") for k in kinds) else None
     servers = Servers(broker, store, postgres, log_dir)
     results: list[Result] = []
     trips: dict[tuple[str, str], float] = {}
@@ -463,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             ttl = _ttl(args, workload)
             work = WORKLOADS[workload][1]
             for kind in runnable:
-                if kind not in ("leases-postgres", "leases-sqlite"):
+                if kind not in SQL_KINDS:
                     trips[kind, workload] = _trips(
                         servers, kind, workload, ttl, log_dir, min(tasks, 40 if work else 200)
                     )

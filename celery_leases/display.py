@@ -54,6 +54,8 @@ def record_to_dict(record: LeaseRecord, store_now_ms: int) -> dict[str, Any]:
     }
     if record.send_id:
         data["send_id"] = record.send_id
+    if record.task_id:
+        data["task_id"] = record.task_id
     if record.outcome is not None:
         # the encoded result may hold anything: show its size only
         data["outcome_bytes"] = len(record.outcome)

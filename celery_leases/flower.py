@@ -10,7 +10,9 @@ that leased tasks send (see :mod:`celery_leases.events`) and show them as
 task fields: ``lease_job_id``, ``lease_generation``, ``lease_owner``,
 ``lease_until``, ``lease_renewals``, ``lease_takeovers``, ``lease_fate``,
 ``lease_ran_on`` and ``lease_attempts`` (one entry per claim, deferral or
-skip, with its worker and generation). Task states are not touched: a
+skip, with its worker and generation, in the order they happened).
+``lease_until`` reads as Flower's own times do (``2026-12-01 04:02:45.405000
+UTC``); each attempt keeps its ``lease_until`` in ISO 8601. Task states are not touched: a
 running leased task stays ``STARTED``, and ``SUCCESS`` and ``FAILURE`` stay
 final. Without this module the events are ignored by Flower and by
 ``celery events``.
@@ -18,6 +20,7 @@ final. Without this module the events are ignored by Flower and by
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from celery.events.state import State
@@ -64,6 +67,44 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"generation {entry['generation']} on {worker}: {text}"
 
 
+def _as_flower_time(value: Any) -> Any:
+    """An ISO 8601 time as Flower writes its own (``2026-12-01 04:02:45.405000 UTC``)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return value
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+
+
+def _stamp(entry: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Keep the time of the entry's first event (the sender's clock), ``at``."""
+    timestamp = fields.get("timestamp")
+    if isinstance(timestamp, (int, float)) and not isinstance(timestamp, bool):
+        entry["at"] = min(entry.get("at", timestamp), timestamp)
+
+
+def _is_claim(entry: dict[str, Any]) -> bool:
+    return entry.get("generation") is not None and entry["outcome"] in _RANK
+
+
+def _order(attempts: LeaseAttempts) -> None:
+    """Entries by time; claims among themselves by generation.
+
+    A deferral is placed between the claims it came between. Claims sort by
+    generation, not by time: generations are the store's order, while event
+    times come from the clocks of several workers.
+    """
+    attempts.sort(key=lambda e: (e.get("at") is None, e.get("at") or 0.0))
+    claims = sorted(filter(_is_claim, attempts), key=lambda e: int(e["generation"]))
+    slots = [i for i, e in enumerate(attempts) if _is_claim(e)]
+    for slot, claim in zip(slots, claims, strict=True):
+        attempts[slot] = claim
+
+
 class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hints
     """A Flower task that also knows the lease facts of its runs."""
 
@@ -101,7 +142,9 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
                 entry["reason"] = fields.get("reason")
             else:
                 entry["reason"] = f"already completed by generation {generation}"
+            _stamp(entry, fields)
             attempts.append(entry)
+            _order(attempts)
             self.lease_job_id = fields.get("job_id", self.lease_job_id)
         elif subject in _RANK and isinstance(generation, int):
             self._merge_claim(attempts, subject, generation, worker, fields)
@@ -120,11 +163,12 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
         if entry is None:
             entry = {"generation": generation, "worker": worker, "outcome": subject}
             attempts.append(entry)
-            attempts.sort(key=lambda e: (e.get("generation") is None, e.get("generation") or 0))
         elif _RANK[subject] >= _RANK.get(entry["outcome"], -1):
             entry["outcome"] = subject
         else:
             subject = entry["outcome"]  # a late event of an earlier step: facts only
+        _stamp(entry, fields)
+        _order(attempts)
         if entry["outcome"] == subject and fields.get("reason"):
             entry["reason"] = fields["reason"]
         for key in ("owner", "lease_until"):
@@ -138,13 +182,13 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
 
     def _update_summary(self) -> None:
         attempts = self.lease_attempts or LeaseAttempts()
-        claims = [e for e in attempts if e.get("generation") is not None and e["outcome"] in _RANK]
+        claims = [e for e in attempts if _is_claim(e)]
         completed = next((e for e in claims if e["outcome"] == "completed"), None)
         if claims:
             latest = claims[-1]
             self.lease_generation = latest["generation"]
             self.lease_owner = latest.get("owner")
-            self.lease_until = latest.get("lease_until")
+            self.lease_until = _as_flower_time(latest.get("lease_until"))
             self.lease_renewals = latest.get("renewals", 0)
             self.lease_takeovers = max(e.get("takeovers", 0) for e in claims)
         if completed is not None:

@@ -34,6 +34,12 @@ lease's own deadline passes. Any other error from a batch makes the leases
 of that batch lost (it is logged with its traceback); an error in the
 deadline thread itself makes every lease lost, and the thread carries on:
 it never dies silently.
+
+Under gevent or eventlet monkey-patching the deadline and renewal threads
+are OS threads and their locks OS locks (:mod:`celery_leases.unpatched`),
+and the stores that can renew there do so on connections of their own
+(``LeaseStore.renews_outside_the_hub``): a task greenlet that holds the hub,
+in a tight loop or a blocking C call, delays no deadline and no renewal.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseLost, StoreUnavailable
 from celery_leases.lease import Lease
-from celery_leases.notify import notify
+from celery_leases.notify import notify, process_notifier
 from celery_leases.stores.base import LeaseStore, RenewRequest
 from celery_leases.stores.deadline import bounded
 
@@ -76,14 +83,14 @@ class Heartbeat:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, jitter: float = 0.1) -> None:
         self._clock = clock
         self._jitter = jitter
-        self._lock = threading.Lock()
+        self._lock = unpatched.lock()
         self._leases: dict[int, Lease] = {}
-        self._wake = threading.Event()
+        self._wake = unpatched.Event()
         #: when the sleeping thread wakes up by itself (local clock); +inf
         #: while it is awake, so a lease added then always wakes it again
         self._sleeping_until = float("inf")
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stopping = unpatched.Event()
+        self._thread: threading.Thread | unpatched.OsThread | None = None
         #: renewal calls holding a slot, per store (by id): call number ->
         #: the moment its slot ends (the earliest deadline of its leases)
         self._in_flight: dict[int, dict[int, float]] = {}
@@ -106,15 +113,16 @@ class Heartbeat:
             self._idle_wait = min(self._idle_wait, lease.timing.renew_interval)
             if self._thread is None or not self._thread.is_alive():
                 self._stopping.clear()
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-leases-heartbeat", daemon=True
-                )
-                self._thread.start()
+                self._thread = unpatched.start_thread(self._run, name="celery-leases-heartbeat")
             # Wake the thread only if it would sleep past this lease's first
             # renewal: waking it for every short task costs a thread switch.
             wake = min(lease.next_renew_at, lease.deadline) < self._sleeping_until
         if wake:
             self._wake.set()
+        if unpatched.green_library() is not None:
+            # the lease threads' notices need a notifier, which only a
+            # greenlet of the hub can start
+            process_notifier().start()
 
     def remove(self, lease: Lease) -> None:
         """Stop renewing ``lease``."""
@@ -141,7 +149,7 @@ class Heartbeat:
         self._stopping.set()
         self._wake.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and not unpatched.current_thread_is(thread):
             thread.join(timeout)
 
     # -- the deadline thread -----------------------------------------------------
@@ -224,14 +232,12 @@ class Heartbeat:
             lease.next_renew_at = started + min(lease.timing.renew_interval / 2, MAX_RETRY_WAIT)
         with self._lock:
             self._renewing.update(id(lease) for lease in leases)
-        thread = threading.Thread(
-            target=self._renew_batch,
-            args=(store, leases, started, call, slot_ends),
-            name="celery-leases-renew",
-            daemon=True,
-        )
         try:
-            thread.start()
+            unpatched.start_thread(
+                self._renew_batch,
+                args=(store, leases, started, call, slot_ends),
+                name="celery-leases-renew",
+            )
         except BaseException:
             self._end_call(key, call, leases)
             raise
@@ -305,7 +311,7 @@ class Heartbeat:
             lease.mark_lost(error)
 
 
-_process_lock = threading.Lock()
+_process_lock = unpatched.lock()
 _process_heartbeat: Heartbeat | None = None
 
 
@@ -324,7 +330,7 @@ def process_heartbeat() -> Heartbeat:
 
 def _forget_after_fork() -> None:
     global _process_heartbeat, _process_lock
-    _process_lock = threading.Lock()
+    _process_lock = unpatched.lock()
     _process_heartbeat = None
 
 

@@ -5,7 +5,8 @@ The command runs in each worker's main process. Leases of the main process
 time left before their local safe deadline. Prefork children hold theirs in
 their own memory, so for them the main process reads the store: the held
 records whose owner token names this host and one of its pool processes,
-with the time left by the store's clock. That read goes through every
+with the time left by the store's clock, and the task id of the request the
+main process handed to that child. That read goes through every
 record in the store (one ``SCAN`` or ``SELECT``): inspect rarely, purge
 often.
 
@@ -20,6 +21,7 @@ import os
 import socket
 from typing import Any
 
+from celery.worker import state as worker_state
 from celery.worker.control import inspect_command
 
 from celery_leases.errors import LeaseError
@@ -61,6 +63,21 @@ def held_leases(state: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _running_task_ids() -> dict[int, str]:
+    """The task id each pool process runs now, by pid, as the main process knows it.
+
+    A prefork child runs one task at a time; the main process keeps the
+    request it handed to each child (``worker_pid`` is set once the child
+    accepted it).
+    """
+    running = {}
+    for request in list(worker_state.active_requests):
+        pid = getattr(request, "worker_pid", None)
+        if pid is not None:
+            running[int(pid)] = str(request.id)
+    return running
+
+
 def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
     host = socket.gethostname()
     prefixes = {f"{host}:{pid}:": pid for pid in pids}
@@ -72,16 +89,17 @@ def _child_leases(app: Any, pids: list[int]) -> list[dict[str, Any]]:
             continue
         rows.append((record, pid))
     now = store.now_ms()
+    running = _running_task_ids()
     return [
         {
             "job_id": record.job_id,
-            "task_id": None,  # a pool child knows it; the store does not
+            "task_id": record.task_id or running.get(pid),
             "task_name": record.task_name,
             "generation": record.generation,
             "pid": pid,
             "lease_until": ms_to_datetime(record.lease_until_ms).isoformat(),
             "remaining": round(max(0, record.lease_until_ms - now) / 1000, 3),
-            "lost": record.lease_until_ms <= now,
+            "lost": not record.is_live(now),
         }
         for record, pid in sorted(rows, key=lambda item: item[0].claimed_at_ms or 0)
     ]

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
 from celery_leases.settings import LeaseTiming
 from celery_leases.stores.base import (
@@ -135,7 +136,7 @@ class Lease:
         self._clock = clock
         self._on_lost = on_lost
         self._on_renewed = on_renewed
-        self._lock = threading.Lock()
+        self._lock = unpatched.lock()
         self._lease_until_ms = lease_until_ms
         self._deadline = started_at + timing.safe_duration
         self._lost: LeaseLost | None = None
@@ -147,6 +148,9 @@ class Lease:
         self._finished = False
         #: renewals the store accepted so far
         self.renewals = 0
+        #: the run's completion committed with its writes, in the task's own
+        #: transaction (celery_leases.exactly_once): the run is not completed again
+        self.completed_in_transaction = False
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else f"{self.remaining():.1f}s left"

@@ -1,9 +1,10 @@
 """Optional Prometheus metrics of leased tasks (``pip install 'celery-leases[metrics]'``).
 
 :func:`install_metrics` connects receivers to the signals of
-:mod:`celery_leases.signals`. With the setting ``leases_metrics_port``, each
-worker serves the metrics of all its processes over HTTP on that port
-(``leases_metrics_address``, all interfaces by default): the main process
+:mod:`celery_leases.signals`. With the setting ``leases_metrics_port`` (or the
+worker option ``--leases-metrics-port``; 0 picks a free port, shown in the
+banner), each worker serves the metrics of all its processes over HTTP on
+that port (``leases_metrics_address``, ``127.0.0.1`` by default): the main process
 points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh folder before the pool
 starts, so prefork children write their values there, and the server adds
 them up (prometheus-client's multiprocess mode). Without the setting the
@@ -28,7 +29,13 @@ from typing import Any
 from celery_leases import signals
 from celery_leases.errors import LeaseConfigurationError
 
-__all__ = ["install_metrics", "metrics_registry", "observe_store_error"]
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "install_metrics",
+    "metrics_registry",
+    "observe_store_error",
+    "serve_metrics",
+]
 
 logger = logging.getLogger("celery_leases")
 
@@ -41,6 +48,12 @@ _held: dict[int, tuple[Any, str]] = {}
 #: without walking every held lease (a process may hold thousands)
 _held_counts: dict[str, int] = {}
 _owned_dir: str | None = None
+#: the metrics HTTP server of this worker's main process, and that pid
+_server: Any = None
+_server_pid: int | None = None
+#: where the metrics server listens unless ``leases_metrics_address`` says
+#: otherwise: this host only, as the page names the tasks a worker runs
+DEFAULT_ADDRESS = "127.0.0.1"
 #: a metric's child per label values, made once: prometheus-client's
 #: ``labels()`` checks and locks on every call, twice per trivial task
 _children: dict[tuple[str, tuple[str, ...]], Any] = {}
@@ -215,10 +228,11 @@ _RECEIVERS = (
 def _port(app: Any) -> int | None:
     port = app.conf.get("leases_metrics_port")
     if port is not None and (
-        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+        isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536
     ):
         raise LeaseConfigurationError(
-            f"leases_metrics_port must be a TCP port number (1-65535) or None, got {port!r}"
+            "leases_metrics_port must be a TCP port number (1-65535), 0 for a free port, "
+            f"or None, got {port!r}"
         )
     return port
 
@@ -231,8 +245,9 @@ def _connect_receivers() -> None:
 def install_metrics(app: Any, *, required: bool = True) -> None:
     """Count lease signals in Prometheus metrics; serve them if configured.
 
-    Idempotent. ``leases_metrics_port`` (an int, or None for no server) and
-    ``leases_metrics_address`` are read when the worker starts.
+    Idempotent. ``leases_metrics_port`` (an int, 0 for a free port, or None
+    for no server) and ``leases_metrics_address`` are read when the worker
+    starts.
 
     Args:
         required: with True (a call of your own) the metrics are on and
@@ -246,7 +261,13 @@ def install_metrics(app: Any, *, required: bool = True) -> None:
         LeaseConfigurationError: prometheus-client is missing (and
             ``required``), or the port is not a valid port number.
     """
-    from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+    from celery.signals import (
+        worker_init,
+        worker_process_init,
+        worker_process_shutdown,
+        worker_ready,
+        worker_shutdown,
+    )
 
     _port(app)
     if required:
@@ -254,23 +275,85 @@ def install_metrics(app: Any, *, required: bool = True) -> None:
         _connect_receivers()
 
     def prepare(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", app) is not app or _port(app) is None:
-            return
-        _prometheus()  # a configured port without the package: say what to install
-        _connect_receivers()
-        _use_multiprocess_dir()
+        if getattr(sender, "app", app) is app:
+            _prepare(app)
 
     def serve(sender: Any = None, **_: Any) -> None:
-        port = _port(app)
-        if getattr(sender, "app", app) is app and port is not None:
-            address = str(app.conf.get("leases_metrics_address") or "0.0.0.0")  # noqa: S104
-            _serve(port, address)
+        # the worker's bootstep serves before the banner; this is for a
+        # worker without it
+        if getattr(sender, "app", app) is app:
+            try:
+                serve_metrics(app)
+            except LeaseConfigurationError as exc:
+                logger.error("lease metrics: %s", exc)
 
     uid = f"celery_leases.metrics.{id(app)}"
     worker_init.connect(prepare, weak=False, dispatch_uid=f"{uid}.init")
     worker_ready.connect(serve, weak=False, dispatch_uid=f"{uid}.ready")
+    worker_process_init.connect(_close_inherited_server, weak=False, dispatch_uid=f"{uid}.fork")
     worker_process_shutdown.connect(_process_gone, weak=False, dispatch_uid=f"{uid}.child")
     worker_shutdown.connect(_remove_dir, weak=False, dispatch_uid=f"{uid}.shutdown")
+
+
+def _prepare(app: Any) -> int | None:
+    """With a port set: the receivers on, the multiprocess folder chosen; the port."""
+    port = _port(app)
+    if port is not None:
+        _prometheus()  # a configured port without the package: say what to install
+        _connect_receivers()
+        _use_multiprocess_dir()
+    return port
+
+
+def serve_metrics(app: Any) -> str | None:
+    """Serve the worker's metrics, if ``leases_metrics_port`` is set; idempotent.
+
+    Call it in the worker's main process before the pool starts (the
+    bootstep does, so the banner can show the address).
+
+    Returns:
+        The URL of the metrics page (with the port the system chose, for
+        port 0), or None without a port.
+
+    Raises:
+        LeaseConfigurationError: the port is invalid, prometheus-client is
+            missing, or the address cannot be listened on (port taken).
+    """
+    global _server, _server_pid
+    port = _prepare(app)
+    if port is None:
+        return None
+    address = str(app.conf.get("leases_metrics_address") or DEFAULT_ADDRESS)
+    with _lock:
+        if _server is None or _server_pid != os.getpid():
+            try:
+                _server, _ = _prometheus().start_http_server(
+                    port, addr=address, registry=metrics_registry()
+                )
+            except OSError as exc:
+                raise LeaseConfigurationError(
+                    f"the metrics server cannot listen on {address}:{port} ({exc}): choose "
+                    "another leases_metrics_port, or --leases-metrics-port 0 for a free one"
+                ) from exc
+            _server_pid = os.getpid()
+            logger.info("lease metrics served on %s", _url(_server.server_address))
+        return _url(_server.server_address)
+
+
+def _url(server_address: tuple[Any, ...]) -> str:
+    host, port = str(server_address[0]), int(server_address[1])
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/metrics"
+
+
+def _close_inherited_server(**_: Any) -> None:
+    """In a forked pool process: close the copy of the listening socket."""
+    global _server
+    with _lock:
+        if _server is not None and _server_pid != os.getpid():
+            _server.socket.close()
+            _server = None
 
 
 def _use_multiprocess_dir() -> None:
@@ -304,15 +387,6 @@ def metrics_registry() -> Any:
     registry = p.CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     return registry
-
-
-def _serve(port: int, address: str) -> None:
-    try:
-        _prometheus().start_http_server(port, addr=address, registry=metrics_registry())
-    except OSError as exc:
-        logger.error("lease metrics: cannot listen on %s:%d (%s)", address, port, exc)
-        return
-    logger.info("lease metrics served on http://%s:%d/metrics", address, port)
 
 
 def _process_gone(**_: Any) -> None:

@@ -6,11 +6,13 @@
 (see :mod:`celery_leases.events`).
 
 Each log line reads ``lease <transition>: job=... task=... generation=...
-owner=...`` and carries the same values as ``extra`` fields on the record
-(``lease_transition``, ``job_id``, ``task_id``, ``generation``, ``owner``,
-and ``reason``, ``takeovers``, ``lease_until`` ... where they apply), so a
-JSON or structlog formatter can take them as fields. Renewals log at DEBUG,
-lost and fenced-out runs at WARNING, everything else at INFO.
+owner=...`` (generation and owner left out where there are none, as for a
+copy deferred because another worker holds the job) and carries the same
+values as ``extra`` fields on the record (``lease_transition``, ``job_id``,
+``task_id``, ``generation``, ``owner``, and ``reason``, ``takeovers``,
+``lease_until`` ... where they apply), so a JSON or structlog formatter can
+take them as fields. Renewals log at DEBUG, lost and fenced-out runs at
+WARNING, everything else at INFO.
 
 Receivers never raise and never block: the lost and renewed notices may come
 from the heartbeat or a notifier thread.
@@ -93,15 +95,18 @@ def _record(
     if log:
         generation = fields.get("generation")
         owner = fields.get("owner")
+        # a copy deferred before any claim has no generation or owner of its
+        # own: the line leaves them out rather than print None
+        shown = {"generation": generation, "owner": owner, **fields}
         details = "".join(
             f" {key}={value}"
-            for key, value in fields.items()
-            if key not in ("job_id", "generation", "owner")
+            for key, value in shown.items()
+            if key != "job_id" and value is not None
         )
         logger.log(
             level,
-            "lease %s: job=%s task=%s generation=%s owner=%s%s",
-            transition, job_id, task_id, generation, owner, details,
+            "lease %s: job=%s task=%s%s",
+            transition, job_id, task_id, details,
             extra={
                 **fields, "lease_transition": transition, "task_id": task_id,
                 "worker": hostname, "generation": generation, "owner": owner,

@@ -10,6 +10,12 @@ When publishing fails (the broker cannot be written to), the worker waits
 and tries again with exponential backoff up to ``leases_defer_max`` seconds
 in all, then rejects the message back to the queue: it never spins.
 
+A copy made after a store outage or a fenced-out run (whose completion is
+in doubt) goes where ``leases_republish_options`` says (a ``queue``, a
+``priority``), so that it need not wait behind the whole backlog of its
+queue: the job is free, and has waited already. A copy deferred because
+another worker holds the job keeps its route: it only looks again.
+
 On RabbitMQ the countdown is capped below the consumer timeout
 (:func:`celery_leases.broker_checks.countdown_cap`), since the worker that
 receives the copy holds it unacknowledged until the countdown ends.
@@ -31,9 +37,10 @@ from celery_leases import signals
 from celery_leases.broker_checks import countdown_cap
 from celery_leases.lease import Lease
 from celery_leases.request import CONTENT_TYPE_KEY
+from celery_leases.runtime import settings_for
 from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
 
-__all__ = ["DEFERRALS_HEADER", "deferrals_of", "publish_again"]
+__all__ = ["DEFERRALS_HEADER", "ROUTED_REASONS", "deferrals_of", "publish_again"]
 
 logger = logging.getLogger("celery_leases")
 
@@ -42,6 +49,9 @@ DEFERRALS_HEADER = "leases_deferrals"
 
 #: first wait after a failed publish (seconds); it doubles up to the cap
 FIRST_PUBLISH_RETRY = 0.5
+
+#: reasons whose copy follows ``leases_republish_options``
+ROUTED_REASONS = ("store-unavailable", "fenced-out")
 
 
 def deferrals_of(request: Any) -> int:
@@ -101,7 +111,12 @@ def publish_again(
     serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
     if serializer:
         options["serializer"] = serializer
-    signature = task.signature_from_request(request, args, kwargs, **options)
+    route = settings_for(task._get_app()).republish_options if reason in ROUTED_REASONS else {}
+    if route.get("priority") is not None:
+        options["priority"] = route["priority"]
+    signature = task.signature_from_request(
+        request, args, kwargs, queue=route.get("queue"), **options
+    )
     wait, waited = FIRST_PUBLISH_RETRY, 0.0
     while True:
         try:

@@ -102,9 +102,9 @@ class LeaseFaults:
     def expire(self, lease: Lease | Acquired | str) -> None:
         """Let the lease on a job run out now, by the store's clock.
 
-        Moves the memory store's clock past the lease's end. Nobody else
-        holds the job yet, so its holder may still renew; :meth:`steal` is
-        what makes it stale.
+        Moves the memory store's clock to the lease's end, where it has run
+        out. Nobody else holds the job yet, so its holder may still renew;
+        :meth:`steal` is what makes it stale.
 
         Raises:
             LeaseConfigurationError: the store has no controllable clock.
@@ -112,15 +112,14 @@ class LeaseFaults:
         if self.clock is None:
             raise LeaseConfigurationError(
                 "expire() moves the memory store's clock; this store's clock is real: "
-                "use steal(), which waits for the lease to run out"
+                "use steal(), which takes the lease away at once"
             )
         record = self.store.get(self._job_id(lease))
-        if record is not None and record.lease_until_ms >= self.clock.now_ms:
-            self.clock.advance((record.lease_until_ms - self.clock.now_ms + 1) / 1000)
+        if record is not None and record.is_live(self.clock.now_ms):
+            # a lease has run out at lease_until exactly
+            self.clock.now_ms = record.lease_until_ms
 
-    def steal(
-        self, lease: Lease | Acquired | str, *, ttl: float = 60.0, grace: float = 10.0
-    ) -> Acquired:
+    def steal(self, lease: Lease | Acquired | str, *, ttl: float = 60.0) -> Acquired:
         """Claim the job as another worker would once the lease ran out.
 
         The present holder becomes stale: its renewals, its completion and
@@ -128,39 +127,29 @@ class LeaseFaults:
         token of the newer generation (pass it to fenced writes to act as
         the newer holder).
 
+        On the memory store the clock moves past the lease's end (a
+        takeover, as in production). On a real store, whose clock cannot be
+        moved, the lease is taken away at once as an operator would
+        (:meth:`~celery_leases.stores.base.LeaseStore.force_release`), so the
+        test never waits out the app's ttl.
+
         Args:
             lease: the lease, a claim, or a job id.
             ttl: the stolen lease's TTL in seconds.
-            grace: on a real store, how long past the holder's remaining
-                time to wait for its lease to run out.
 
         Raises:
-            LeaseConfigurationError: the job is completed.
-            TimeoutError: on a real store, the lease did not run out within
-                its remaining time plus ``grace`` (its holder keeps renewing).
+            LeaseConfigurationError: the job is completed, or has no record.
         """
         job_id = self._job_id(lease)
         owner = f"pytest-steal:{secrets.token_hex(8)}"
-        deadline: float | None = None
-        while True:
-            if self.clock is not None:
-                self.expire(job_id)
-            result = self.store.claim(job_id, owner, ttl, task_name="pytest-steal")
-            if isinstance(result, Acquired):
-                return result
-            remaining = getattr(result, "remaining", None)
-            if remaining is None:
-                raise LeaseConfigurationError(f"cannot steal job {job_id!r}: {result!r}")
-            if deadline is None:
-                # fixed at the first answer: a holder that keeps renewing must not
-                # keep this waiting
-                deadline = time.monotonic() + float(remaining) + grace
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"the lease on job {job_id!r} did not run out: its holder keeps "
-                    "renewing it (stop that worker, or test on the memory store)"
-                )
-            time.sleep(min(float(remaining) + 0.01, 0.1))
+        if self.clock is not None:
+            self.expire(job_id)
+        else:
+            self.store.force_release(job_id, by=owner, reason="steal() in a test")
+        result = self.store.claim(job_id, owner, ttl, task_name="pytest-steal")
+        if not isinstance(result, Acquired):
+            raise LeaseConfigurationError(f"cannot steal job {job_id!r}: {result!r}")
+        return result
 
     def lose(self, lease: Lease, *, timeout: float = 10.0) -> Acquired:
         """Make ``lease`` lost now: :meth:`steal` it, then let its holder see it.

@@ -25,7 +25,7 @@ from celery_leases.errors import (
     TakeoverLimitExceeded,
 )
 from celery_leases.lease import Lease
-from celery_leases.outcome import decode
+from celery_leases.outcome import decode, encode_value
 from celery_leases.publish import deferrals_of, publish_again
 from celery_leases.runtime import settings_for
 from celery_leases.stores.base import (
@@ -43,6 +43,7 @@ __all__ = [
     "UNKNOWN_COMPLETION",
     "answer_completed",
     "complete",
+    "complete_run",
     "defer_held",
     "defer_unavailable",
     "outcome_options",
@@ -61,6 +62,17 @@ def outcome_options(task: Any) -> dict[str, Any]:
     """How ``task``'s outcomes are encoded for the lease record."""
     options = task.lease_options()
     return {"serializer": options.result_serializer, "max_bytes": options.result_max_bytes}
+
+
+def complete_run(task: Any, lease: Lease, value: object) -> CompleteResult | None:
+    """The completion after the body returned ``value``.
+
+    A run that completed in its own transaction (``exactly_once``) is not
+    completed again: the store already keeps its outcome.
+    """
+    if lease.completed_in_transaction:
+        return Completed(lease.job_id, lease.generation)
+    return complete(task, lease, encode_value(value, **outcome_options(task)))
 
 
 def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult | None:

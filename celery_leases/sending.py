@@ -17,9 +17,11 @@ that never imported celery_leases has no send id. It is the same run as the
 completed one only if it carries the task id that completed the job
 (protocol duty 7): under the default key the job id *is* the task id, so
 the claim goes without a send id and any completion of the job answers it;
-under a custom ``lease_key`` the run is named by its task id
-(``"task:<task id>"``), so a redelivery of that message is skipped and a
-message with another task id under the same key is a new run.
+under a custom ``lease_key`` the claim's send id is ``"task:<task id>"``,
+and the record keeps the task id of every run beside its send id, so such
+a message is skipped when its task id completed the job (whether that
+delivery had a send id or not), and a message with another task id under
+the same key is a new run.
 """
 
 from __future__ import annotations
@@ -32,13 +34,12 @@ from typing import Any
 
 from celery.signals import before_task_publish
 
+from celery_leases.stores.base import TASK_ID_SEND_PREFIX
+
 __all__ = ["SEND_ID_HEADER", "TASK_ID_SEND_PREFIX", "keeping_send_id", "send_id_for", "send_id_of"]
 
 #: message header holding the send id
 SEND_ID_HEADER = "leases_send_id"
-
-#: the send id of a message without one under a custom key: this, then its task id
-TASK_ID_SEND_PREFIX = "task:"
 
 
 class _Local(threading.local):

@@ -17,6 +17,9 @@ key                           default         meaning
 ``leases_result_max_bytes``   ``65536``       largest encoded result kept in the lease
                                               record for a redelivered copy; 0: none;
                                               at most 1048576
+``leases_republish_options``  ``{}``          ``queue`` and/or ``priority`` for copies
+                                              published again after a store outage or
+                                              a fenced-out run
 ============================  ==============  ==============================================
 
 The default drift margin is 5 % of the TTL, at least 0.5 s, and never more
@@ -52,6 +55,7 @@ __all__ = [
     "LeaseTiming",
     "OnLost",
     "check_defer_max",
+    "check_republish_options",
     "default_drift_margin",
 ]
 
@@ -169,6 +173,7 @@ class LeaseSettings:
     defer_backoff: float = 1.0
     defer_max: float = 60.0
     result_max_bytes: int = DEFAULT_RESULT_MAX_BYTES
+    republish_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.store_url, str) or not self.store_url.strip():
@@ -188,6 +193,7 @@ class LeaseSettings:
                 "leases_defer_backoff"
             )
         check_result_max_bytes(self.result_max_bytes, "leases_result_max_bytes")
+        check_republish_options(self.republish_options, "leases_republish_options")
         self.timing()
 
     def __repr__(self) -> str:
@@ -225,6 +231,7 @@ class LeaseSettings:
             defer_backoff=get("leases_defer_backoff", 1.0),
             defer_max=get("leases_defer_max", 60.0),
             result_max_bytes=get("leases_result_max_bytes", DEFAULT_RESULT_MAX_BYTES),
+            republish_options=get("leases_republish_options", {}),
         )
 
     def timing(
@@ -292,6 +299,38 @@ def check_result_max_bytes(value: object, name: str) -> int:
         raise LeaseConfigurationError(
             f"{name} must be a whole number of bytes from 0 (keep no result) to "
             f"{MAX_RESULT_MAX_BYTES}, got {value!r}"
+        )
+    return value
+
+
+#: what ``leases_republish_options`` may set
+REPUBLISH_OPTIONS = ("queue", "priority")
+
+
+def check_republish_options(value: object, name: str) -> Mapping[str, Any]:
+    """Check the publish options of re-published copies; raises LeaseConfigurationError.
+
+    A dict with ``queue`` (a queue name) and/or ``priority`` (0 to 255, as
+    the broker's priorities go).
+    """
+    example = "for example {'queue': 'leases-again'} or {'priority': 9}"
+    if not isinstance(value, Mapping):
+        raise LeaseConfigurationError(f"{name} must be a dict ({example}), got {value!r}")
+    unknown = sorted(str(key) for key in value if key not in REPUBLISH_OPTIONS)
+    if unknown:
+        raise LeaseConfigurationError(
+            f"{name} takes only {' and '.join(REPUBLISH_OPTIONS)} ({example}), got "
+            f"{', '.join(map(repr, unknown))}"
+        )
+    queue = value.get("queue")
+    if queue is not None and (not isinstance(queue, str) or not queue.strip()):
+        raise LeaseConfigurationError(f"{name}['queue'] must be a queue name, got {queue!r}")
+    priority = value.get("priority")
+    if priority is not None and (
+        isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255
+    ):
+        raise LeaseConfigurationError(
+            f"{name}['priority'] must be a whole number from 0 to 255, got {priority!r}"
         )
     return value
 

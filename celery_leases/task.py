@@ -40,15 +40,13 @@ from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease, make_owner
 from celery_leases.losses import fenced_out, react_to_loss, reject_poison
 from celery_leases.notify import notify
-from celery_leases.outcome import encode_value
 from celery_leases.publish import DEFERRALS_HEADER
 from celery_leases.run_steps import (
     UNKNOWN_COMPLETION,
     answer_completed,
-    complete,
+    complete_run,
     defer_held,
     defer_unavailable,
-    outcome_options,
     release,
 )
 from celery_leases.runtime import (
@@ -303,6 +301,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 options.timing.ttl,
                 task_name=self.name,
                 send_id=send_id_for(request, job_id),
+                task_id=task_id,
             )
         except StoreUnavailable as exc:
             defer_unavailable(self, request, args, kwargs, job_id, options.defer_max, exc)
@@ -397,9 +396,9 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if run.handed_over:
             # retry(throw=False): the retry message is out and claims the job next
             return value
-        if lease.lost:
+        if lease.lost and not lease.completed_in_transaction:
             fenced_out(self, lease, request, args, kwargs, lease.lost_reason)
-        result = complete(self, lease, encode_value(value, **outcome_options(self)))
+        result = complete_run(self, lease, value)
         if result is None:
             fenced_out(self, lease, request, args, kwargs, UNKNOWN_COMPLETION)
         if isinstance(result, Refusal):

@@ -4,7 +4,8 @@
 first bound to an app (the runtime calls it through the bind hook this
 module registers on import), so users need not call it, except for one thing:
 ``celery worker`` reads extra CLI options right after importing the app,
-before tasks are bound. To use ``--leases-store`` / ``--leases-ttl``, call
+before tasks are bound. To use ``--leases-store`` / ``--leases-ttl`` /
+``--leases-metrics-port``, call
 ``celery_leases.install(app)`` in the module that creates the app.
 
 At worker start the bootstep applies those options to ``app.conf``, asks
@@ -27,13 +28,15 @@ import threading
 import weakref
 from typing import Any
 
+import click
 from celery import bootsteps
 from celery.bin.base import CeleryOption
 from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from celery_leases.broker_checks import broker_warnings
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
-from celery_leases.metrics import install_metrics
+from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
+from celery_leases.metrics import install_metrics, serve_metrics
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import (
     add_bind_hook,
@@ -51,6 +54,8 @@ from celery_leases.task import LeasedTask
 __all__ = [
     "STORE_CHECK_TIMEOUT",
     "LeasesStep",
+    "WorkerStartRefused",
+    "banner_lines",
     "check_app",
     "check_store",
     "in_prefork_child",
@@ -92,6 +97,16 @@ def install(app: Any) -> None:
             help_group="Lease Options",
         )
     )
+    app.user_options["worker"].add(
+        CeleryOption(
+            ["--leases-metrics-port"],
+            type=int,
+            default=None,
+            help="Serve Prometheus metrics on this port, 0 for a free one (shown in the "
+            "banner); overrides the leases_metrics_port setting.",
+            help_group="Lease Options",
+        )
+    )
     app.steps["worker"].add(LeasesStep)
     worker_process_init.connect(on_process_init, weak=False, dispatch_uid="celery_leases.init")
     worker_process_shutdown.connect(
@@ -119,6 +134,7 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
         parent: Any,
         leases_store: str | None = None,
         leases_ttl: float | None = None,
+        leases_metrics_port: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(parent, **kwargs)
@@ -127,11 +143,69 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             app.conf.leases_store = leases_store
         if leases_ttl is not None:
             app.conf.leases_ttl = leases_ttl
+        if leases_metrics_port is not None:
+            app.conf.leases_metrics_port = leases_metrics_port
         if leases_store is not None or leases_ttl is not None:
             forget_runtime(app)  # settings read before the options must be read again
         pool = str(getattr(parent, "pool_cls", "") or kwargs.get("pool", "") or "")
-        for warning in check_app(app, pool=pool):
+        try:
+            warnings = check_app(app, pool=pool)
+            # before the pool starts, and before the banner that shows the port
+            metrics_url = serve_metrics(app)
+        except LeaseConfigurationError as exc:
+            # the message says what to change; a 40-line traceback through
+            # Celery's start would bury it, so it goes to the debug log only
+            logger.debug("the lease setup check failed", exc_info=True)
+            logger.error("celery-leases: the worker cannot start: %s", exc)
+            raise WorkerStartRefused(str(exc)) from None
+        for warning in warnings:
             logger.warning(warning)
+        _add_to_banner(parent, banner_lines(settings_for(app), metrics_url=metrics_url))
+
+
+def banner_lines(settings: LeaseSettings, *, metrics_url: str | None = None) -> list[str]:
+    """The ``[leases]`` section of the worker's banner.
+
+    The store (password masked), the ttl and, when served, the metrics page.
+    """
+    secrets = secrets_of(settings.store_url, settings.store_options)
+    timing = settings.timing()
+    lines = [
+        "[leases]",
+        f".> store:       {mask(settings.store_url, secrets=secrets)}",
+        f".> ttl:         {timing.ttl:g} s, renewed every {timing.renew_interval:g} s "
+        "(a task's lease_ttl overrides it)",
+    ]
+    if metrics_url is not None:
+        lines.append(f".> metrics:     {metrics_url}")
+    return lines
+
+
+def _add_to_banner(worker: Any, lines: list[str]) -> None:
+    """Append ``lines`` to the banner ``celery worker`` prints after the start checks.
+
+    Celery has no hook for the banner: the worker's ``startup_info`` is
+    wrapped on this instance only (a programmatic worker has none).
+    """
+    startup_info = getattr(worker, "startup_info", None)
+    if startup_info is None:
+        return
+
+    def with_leases(artlines: bool = True) -> str:
+        indent = " " * 16 if artlines else ""  # the width of Celery's ASCII art
+        return str(startup_info(artlines=artlines)) + "".join(f"{indent}{line}\n" for line in lines)
+
+    worker.startup_info = with_leases
+
+
+class WorkerStartRefused(LeaseConfigurationError, click.ClickException):
+    """The lease setup stops the worker at start.
+
+    A :class:`~celery_leases.errors.LeaseConfigurationError` that
+    ``celery worker`` (a click program) prints as one line,
+    ``Error: <what to change>``, exiting with status 1; the traceback is
+    logged at debug level (``--loglevel DEBUG``).
+    """
 
 
 def check_app(
@@ -174,12 +248,22 @@ def check_app(
         warnings.append(store_warning)
     visibility = _visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
+    green = green_pool(pool)
+    if green is not None:
+        try:
+            check_green_store(app, green)
+        except LeaseConfigurationError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
     for task in list(app.tasks.values()):
         if not isinstance(task, LeasedTask):
             continue
         warnings += misspelled_task_attributes(task, LeasedTask)
         try:
             warnings += _check_task(app, task, visibility, prefork, pool)
+            if green is not None:
+                check_green_on_lost(task.name, task.lease_on_lost_mode(), green)
         except LeaseConfigurationError as exc:
             if errors is None:
                 raise

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chaos", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a profile and check its history")
-    run.add_argument("--profile", default="ci", choices=["ci", "variant", "long"])
+    run.add_argument("--profile", default="ci", choices=["ci", "variant", "once", "long"])
     run.add_argument("--store", default="redis", choices=["redis", "postgres"])
     run.add_argument("--seed", type=int, default=1)
     run.add_argument("--variant", default="", help="a broken variant (see docs/testing.md)")

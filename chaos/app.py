@@ -25,13 +25,14 @@ from celery_leases import signals as lease_signals
 from celery_leases.fencing import FencingToken, Token
 from chaos.config import JOB, ChaosConfig, make_app
 from chaos.history import History
+from chaos.once import OnceEffects
 from chaos.recording import RecordingStore
 from chaos.targets import RedisTarget, SqlTarget
 
 __all__ = ["JOB", "ChaosConfig", "app", "make_app"]
 
 #: variants the task body implements (the store variants live in chaos.recording)
-BODY_VARIANTS = frozenset({"unfenced-target", "ignore-deadline"})
+BODY_VARIANTS = frozenset({"unfenced-target", "ignore-deadline", "separate-commit"})
 
 
 def skew_wall_clock(spec: str) -> None:
@@ -61,6 +62,7 @@ history = History(config.history)
 app = make_app(config)
 _side: dict[int, redis.Redis] = {}
 _targets: dict[int, tuple[SqlTarget | None, RedisTarget | None]] = {}
+_once = OnceEffects(config) if config.once_table else None
 
 
 def _expiring_counter(job_id: str, ttl_ms: int) -> int:
@@ -143,6 +145,8 @@ def job(self: Any, seconds: float, writes: int) -> dict[str, Any]:
         _late_requests(self, lease, max(step, 1), remaining)
         raise
     history.record("body-end", job=lease.job_id, generation=lease.generation, owner=lease.owner)
+    if _once is not None:
+        return _once.apply(self, lease)
     return {"generation": lease.generation}
 
 

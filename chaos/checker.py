@@ -17,6 +17,8 @@ began), the store's own clock in its answers (``store_now_ms``,
 - I5 each target accepted non-decreasing generations per job;
 - I6 every job completed in the store and its client got a result or a
   clear terminal error (the poison verdict, :data:`TERMINAL`);
+- I7 (the ``once`` profile) each job's exactly-once effect is in the
+  store's database exactly once;
 - D  no target accepted a write sent after its run's local deadline.
 """
 
@@ -91,11 +93,14 @@ def check(
     final: Mapping[str, LeaseRecord | None],
     results: Mapping[str, str],
     nemesis: Mapping[str, int] | None = None,
+    effects: Mapping[str, int] | None = None,
 ) -> Report:
     """Check a run.
 
     ``results`` maps a job to its client's answer: ``SUCCESS``, or
     ``FAILURE:<error class>`` (see :data:`TERMINAL`), or another state.
+    ``effects`` maps a job to the rows its exactly-once effect left (``once``
+    profile only).
     """
     jobs = list(jobs)
     counts: Counter[str] = Counter(nemesis or {})
@@ -139,6 +144,10 @@ def check(
                 )
             last[job] = max(last.get(job, 0), generation)
 
+    for job, applied in (effects or {}).items():
+        counts[f"jobs with {applied} effect rows"] += 1
+        if applied != 1:
+            violations.append(f"I7 job {job}: its effect was applied {applied} times, not once")
     violations += _check_writes(records, counts)
     for r in records:
         if r["kind"] in ("lease_lost", "lease_fenced_out", "lease_skipped", "late"):

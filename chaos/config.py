@@ -32,6 +32,9 @@ class ChaosConfig:
     sql_target: str = ""
     redis_target: str = ""
     variant: str = ""
+    #: the table (in the store's own database) of the exactly-once effects;
+    #: "" when the jobs make none
+    once_table: str = ""
 
     def to_env(self) -> dict[str, str]:
         return {"CHAOS_CONFIG": json.dumps(asdict(self))}

@@ -110,12 +110,18 @@ class RecordingStore(LeaseStore):
     # -- hooks ----------------------------------------------------------------
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         def claim() -> ClaimResult:
             if self.variant == "worker-clock-claim":
                 self._expire_by_worker_clock(job_id)
-            result = self.inner._claim(job_id, owner, ttl_ms, task_name, send_id)
+            result = self.inner._claim(job_id, owner, ttl_ms, task_name, send_id, task_id)
             if self.variant == "expiring-generation" and isinstance(result, Acquired):
                 assert self._counter is not None
                 token = self._counter(job_id, ttl_ms)
@@ -175,6 +181,36 @@ class RecordingStore(LeaseStore):
             "release", job_id, owner, generation,
             lambda: self._to_worker(job_id, self.inner._release(job_id, owner, real)),
         )  # fmt: skip
+
+    # -- exactly_once: the SQL store's statements on the task's connection ------
+
+    @property
+    def table(self) -> Any:
+        return getattr(self.inner, "table")  # noqa: B009  # only a SqlStore has one
+
+    @property
+    def dialect_name(self) -> str:
+        return str(getattr(self.inner, "dialect_name"))  # noqa: B009
+
+    def lock_in(self, conn: Any, job_id: str, owner: str, generation: int) -> bool:
+        inner: Any = self.inner
+        return self._op(
+            "lock-in-transaction", job_id, owner, generation,
+            lambda: bool(inner.lock_in(conn, job_id, owner, generation)),
+        )  # fmt: skip
+
+    def complete_in(
+        self, conn: Any, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
+        # recorded apart from "complete": it counts only if its transaction
+        # commits, which the effects table shows
+        inner: Any = self.inner
+
+        def complete() -> CompleteResult:
+            result: CompleteResult = inner.complete_in(conn, job_id, owner, generation, outcome)
+            return result
+
+        return self._op("complete-in-transaction", job_id, owner, generation, complete)
 
     def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
         return self.inner._force_release(job_id, by, reason)

@@ -20,6 +20,7 @@ from chaos.checker import Report, check
 from chaos.config import JOB, ChaosConfig, make_app
 from chaos.history import History, read_history
 from chaos.nemesis import Nemesis, StoreControl
+from chaos.once import count_effects, create_effects, kills
 from chaos.targets import RedisTarget, SqlTarget
 from tests.acceptance.harness import Worker
 from tests.proxy import Proxy
@@ -41,6 +42,8 @@ class Profile:
     ttl: float = 1.5
     workers: tuple[tuple[str, int, str], ...] = WORKERS
     drain: float = 90.0  # the most time to let every job finish after the faults
+    #: jobs end with an exactly-once effect in the store's database (chaos.once)
+    once: bool = False
 
 
 PROFILES = {
@@ -65,6 +68,23 @@ PROFILES = {
         budget={"pause-child": 6, "pause-worker": 6, "duplicate": 6},
         workers=(("prefork", 2, ""), ("threads", 2, "+300")),
         drain=40.0,
+    ),
+    "once": Profile(
+        jobs=10,
+        seconds=16,
+        interval=1.6,
+        budget={
+            "pause-child": 2,
+            "pause-worker": 1,
+            "kill-child": 1,
+            "duplicate": 3,
+            "partition": 1,
+            "store-restart": 1,
+        },
+        # prefork only: a job's pool process kills itself at its step (chaos.once)
+        workers=(("prefork", 2, ""), ("prefork", 1, "+300")),
+        drain=45.0,
+        once=True,
     ),
     "long": Profile(
         jobs=1000,
@@ -110,6 +130,8 @@ def run(
     profile: Profile, *, store_kind: str, seed: int, out: Path, variant: str = "", log: Any = print
 ) -> Report:
     """Run one chaos profile and return the checker's report (also in ``out``)."""
+    if profile.once and store_kind != "postgres":
+        raise ValueError("the once profile needs the postgres store: its effects live there")
     out.mkdir(parents=True, exist_ok=True)
     (out / "history").mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -141,6 +163,7 @@ def run(
             sql_target=target_pg.url,
             redis_target=broker.url.replace("/0", "/2"),
             variant=variant,
+            once_table="chaos_once" if profile.once else "",
         )
         jobs = [f"job-{seed}-{i}" for i in range(profile.jobs)]
         sql, redis_target = SqlTarget(config.sql_target), RedisTarget(config.redis_target)
@@ -152,6 +175,8 @@ def run(
         store = open_store(direct_url, **options)
         stack.callback(store.close)
         store.now_ms()  # a SQL store makes its table now, before any worker
+        if profile.once:
+            create_effects(direct_url, config.once_table)
         history = History(out / "history")
         workers: list[Worker] = []
 
@@ -226,7 +251,11 @@ def run(
             final=final,
             results=results,
             nemesis=nemesis.counts,
+            effects=count_effects(direct_url, config.once_table, jobs) if profile.once else None,
         )
+        if profile.once:
+            for step, count in kills(config.broker).items():
+                report.counts[f"self-kills {step}"] = count
         report.counts["workers started"] = len(workers)
         (out / "report.txt").write_text(report.format() + "\n")
         return report

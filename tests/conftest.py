@@ -16,7 +16,9 @@ from typing import TypeVar
 import pytest
 
 from celery_leases import LeaseStore, open_store
+from tests.broker_servers import RabbitServer, SqsServer
 from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
+from tests.store_clock import StoreClock
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -56,6 +58,43 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     yield from serve(PostgresServer)
+
+
+@pytest.fixture(scope="session")
+def store_clock() -> Iterator[StoreClock]:
+    """The clock of the session's clocked servers, which the test sets (it
+    only moves forward: each test starts past where the last one left it)."""
+    try:
+        clock = StoreClock()
+    except ServerMissing as exc:
+        _unavailable(str(exc))
+        raise  # unreachable: _unavailable raises
+    yield clock
+    clock.close()
+
+
+@pytest.fixture(scope="session")
+def clocked_redis_server(store_clock: StoreClock) -> Iterator[RedisServer]:
+    """A redis-server whose clock is ``store_clock``."""
+    yield from serve(lambda: RedisServer(env=store_clock.env()))
+
+
+@pytest.fixture(scope="session")
+def clocked_postgres_server(store_clock: StoreClock) -> Iterator[PostgresServer]:
+    """A PostgreSQL cluster whose clock is ``store_clock``."""
+    yield from serve(lambda: PostgresServer(env=store_clock.env()))
+
+
+@pytest.fixture(scope="session")
+def rabbit_server() -> Iterator[RabbitServer]:
+    """A private RabbitMQ node shared by the session (tests use their own queue)."""
+    yield from serve(RabbitServer)
+
+
+@pytest.fixture(scope="session")
+def sqs_server() -> Iterator[SqsServer]:
+    """A local SQS server shared by the session (tests use their own queue)."""
+    yield from serve(SqsServer)
 
 
 @pytest.fixture(scope="session")

@@ -54,9 +54,12 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30
 
 
 class RedisServer:
-    """A redis-server process with AOF persistence in its own folder."""
+    """A redis-server process with AOF persistence in its own folder.
 
-    def __init__(self, *extra_args: str) -> None:
+    ``env`` is added to the server's environment (a test clock, say).
+    """
+
+    def __init__(self, *extra_args: str, env: dict[str, str] | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServerMissing("redis-server is not installed (apt-get install redis-server)")
@@ -64,6 +67,7 @@ class RedisServer:
         self.dir = Path(tempfile.mkdtemp(prefix="leases-redis-"))
         self.port = free_port()
         self.extra_args = extra_args
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -86,7 +90,12 @@ class RedisServer:
             "--logfile", str(self.dir / "redis.log"),
             *self.extra_args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+        )
         _wait_for_port(self.port, self.proc)
 
     def stop(self) -> None:
@@ -162,10 +171,12 @@ class PostgresServer:
 
     As root, the cluster belongs to an unprivileged user (``postgres`` when
     it exists, else ``nobody``), since PostgreSQL refuses to run as root.
+    ``env`` is added to the environment of its programs (a test clock, say).
     """
 
-    def __init__(self, *settings: str) -> None:
+    def __init__(self, *settings: str, env: dict[str, str] | None = None) -> None:
         self.bin = find_postgres_bin()
+        self.env = env or {}
         #: extra ``name=value`` server settings, given as ``-c`` options
         self.settings = settings
         self.root = Path(tempfile.mkdtemp(prefix="leases-pg-"))
@@ -195,7 +206,13 @@ class PostgresServer:
         command = list(args)
         if self.user is not None:
             command = ["runuser", "-u", self.user, "--", *command]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run(
+            command,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **self.env},
+        )
 
     @property
     def url(self) -> str:

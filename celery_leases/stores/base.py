@@ -37,6 +37,7 @@ from celery_leases.stores.checks import (
     ttl_to_ms,
 )
 from celery_leases.stores.results import (
+    TASK_ID_SEND_PREFIX,
     Acquired,
     AlreadyCompleted,
     ClaimResult,
@@ -74,6 +75,7 @@ __all__ = [
     "Released",
     "RenewRequest",
     "RenewResult",
+    "TASK_ID_SEND_PREFIX",
     "Renewed",
     "MAX_OUTCOME_BYTES",
     "MAX_TTL",
@@ -123,6 +125,15 @@ class LeaseStore(abc.ABC):
     #: the URL scheme(s) this store was opened from, for messages
     url: str = ""
 
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        """Whether :meth:`renew_many` waits in its own OS thread under gevent
+        or eventlet monkey-patching (never in the hub a task greenlet may hold).
+
+        The worker refuses a green pool with a store that cannot.
+        """
+        return False
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {mask(self.url)}>"
 
@@ -136,17 +147,22 @@ class LeaseStore(abc.ABC):
         *,
         task_name: str = "",
         send_id: str | None = None,
+        task_id: str | None = None,
     ) -> ClaimResult:
         """Claim the lease on ``job_id`` for ``owner`` for ``ttl`` seconds.
 
         Succeeds if there is no record, it is released, or its lease has run
-        out by the store's clock; the generation then goes up by one. A
-        completed record answers :class:`AlreadyCompleted` when ``send_id``
-        is ``None`` or the send id it was completed under (a redelivery of
-        the same send); another ``send_id`` is a new run of the job and is
-        acquired like a released record (takeovers start again at 0, the
-        completion and its outcome are cleared). The record keeps
-        ``send_id`` ("" for ``None``).
+        out by the store's clock (at ``lease_until`` exactly, it has); the
+        generation then goes up by one. A completed record answers
+        :class:`AlreadyCompleted` when the claim is of the run that
+        completed it (:meth:`LeaseRecord.is_same_run`): ``send_id`` is
+        ``None``, the send id it was completed under (a redelivery of the
+        same send), or ``task:<task id>`` (a message without a send id) with
+        the ``task_id`` of the delivery that completed it. Any other
+        ``send_id`` is a new run of the job and is acquired like a released
+        record (takeovers start again at 0, the completion and its outcome
+        are cleared). The record keeps ``send_id`` and ``task_id`` ("" for
+        ``None``).
 
         Returns:
             :class:`Acquired`, :class:`HeldElsewhere` or :class:`AlreadyCompleted`.
@@ -163,6 +179,7 @@ class LeaseStore(abc.ABC):
             ttl_to_ms(ttl),
             check_text(task_name, "task_name", empty=True),
             _check_send_id(send_id),
+            "" if task_id is None else check_text(task_id, "task_id", empty=True),
         )
 
     def renew(self, job_id: str, owner: str, generation: int, ttl: float) -> RenewResult:
@@ -353,7 +370,13 @@ class LeaseStore(abc.ABC):
 
     @abc.abstractmethod
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult: ...
 
     @abc.abstractmethod

@@ -9,10 +9,10 @@ time pass without sleeping.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseRecordUnreadable
 from celery_leases.stores.base import (
     Acquired,
@@ -66,14 +66,24 @@ class MemoryStore(LeaseStore):
     def __init__(self, clock: Callable[[], int] | None = None) -> None:
         self.url = "memory://"
         self._clock = clock or _wall_clock_ms
-        self._lock = threading.Lock()
+        self._lock = unpatched.lock()  # the heartbeat's OS threads take it too
         self._data: dict[str, LeaseRecord] = {}
+
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        return True  # no I/O: a renewal only takes an OS lock
 
     def _now_ms(self) -> int:
         return self._clock()
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         with self._lock:
             now = self._clock()
@@ -82,7 +92,7 @@ class MemoryStore(LeaseStore):
             if record is None:
                 generation = now
             elif record.state is LeaseState.COMPLETED:
-                if send_id is None or send_id == record.send_id:
+                if record.is_same_run(send_id):
                     return AlreadyCompleted(
                         job_id, record.generation, record.send_id, record.outcome
                     )
@@ -107,6 +117,7 @@ class MemoryStore(LeaseStore):
                 renew_count=0,
                 takeovers=takeovers,
                 send_id=send_id or "",
+                task_id=task_id,
             )
             return Acquired(job_id, owner, generation, now + ttl_ms, now, takeovers)
 

@@ -52,6 +52,7 @@ from celery_leases.stores.redis_connections import (
     config_warnings,
     open_client,
     renewal_client,
+    renews_outside_the_hub,
 )
 from celery_leases.stores.redis_errors import raise_wrapped
 from celery_leases.stores.redis_replies import (
@@ -148,6 +149,7 @@ class RedisStore(RedisBatches, LeaseStore):
         )
         #: the sentinels a sentinel:// URL named, closed with the store
         self._sentinel: Sentinel | None = None
+        self._renews_outside_the_hub = renews_outside_the_hub(self._renew_client)
         self._claim_script = Script(scripts.CLAIM_SCRIPT)
         self._renew_script = Script(scripts.RENEW_SCRIPT)
         self._renew_many_script = Script(scripts.RENEW_MANY_SCRIPT)
@@ -206,6 +208,11 @@ class RedisStore(RedisBatches, LeaseStore):
             store._check_config(client)
         return store
 
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        """True for a plain TCP or Unix socket store opened under monkey-patching."""
+        return self._renews_outside_the_hub
+
     def close(self) -> None:
         """Close the clients and their connection pools (and the sentinels')."""
         self._client.close()
@@ -256,7 +263,13 @@ class RedisStore(RedisBatches, LeaseStore):
     # -- backend hooks ---------------------------------------------------------
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         with self._errors("claim", job_id):
             reply = self._eval(
@@ -267,6 +280,7 @@ class RedisStore(RedisBatches, LeaseStore):
                 task_name,
                 send_id or "",
                 "0" if send_id is None else "1",
+                task_id,
             )
             code = int(reply[0])
             if code == scripts.ACQUIRED:

@@ -11,6 +11,12 @@ Cluster), each with a connection pool of its own:
 So the heartbeat never waits for a connection that tasks hold: a threads
 worker whose thousand tasks finish at once fills the task pool, and the
 renewals of every lease still go out on their own connections.
+
+Under gevent or eventlet monkey-patching the heartbeat's threads are OS
+threads (:mod:`celery_leases.unpatched`), and the renewal client is made
+for them: its sockets come from the unpatched socket module and its pool's
+locks are OS locks, so a renewal waits in its own thread, never in the hub
+that a task greenlet may be holding.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning
 from celery_leases.redact import mask
 from celery_leases.stores import redis_sentinel
@@ -39,6 +46,7 @@ __all__ = [
     "config_warnings",
     "open_client",
     "renewal_client",
+    "renews_outside_the_hub",
 ]
 
 logger = logging.getLogger("celery_leases.stores.redis")
@@ -122,11 +130,89 @@ def renewal_client(client: redis.Redis, connections: int) -> redis.Redis:
             max_connections=connections,
             **kwargs,
         )
+    elif unpatched.green_library() is not None and pool.connection_class in _UNPATCHED:
+        own = _UnpatchedPool(
+            connection_class=_UNPATCHED[pool.connection_class],
+            max_connections=connections,
+            **kwargs,
+        )
     else:
         own = redis.ConnectionPool(
             connection_class=pool.connection_class, max_connections=connections, **kwargs
         )
     return redis.Redis.from_pool(own)
+
+
+class _UnpatchedPool(redis.ConnectionPool):
+    """A connection pool whose locks are OS locks (for OS threads under patching)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._os_locks()
+
+    def reset(self) -> None:
+        super().reset()
+        self._os_locks()
+
+    def _os_locks(self) -> None:
+        self._lock = unpatched.rlock()
+        self._fork_lock = unpatched.rlock()
+
+
+class _UnpatchedTcpConnection(redis.Connection):
+    """A TCP connection made with the unpatched socket module."""
+
+    def _connect(self) -> Any:
+        sockets = unpatched.socket_module()
+        error: OSError = OSError(f"no address found for {self.host}:{self.port}")
+        for family, kind, proto, _, address in sockets.getaddrinfo(
+            self.host, self.port, self.socket_type, sockets.SOCK_STREAM
+        ):
+            sock = sockets.socket(family, kind, proto)
+            try:
+                sock.setsockopt(sockets.IPPROTO_TCP, sockets.TCP_NODELAY, 1)
+                if self.socket_keepalive:
+                    sock.setsockopt(sockets.SOL_SOCKET, sockets.SO_KEEPALIVE, 1)
+                    for option, value in self.socket_keepalive_options.items():
+                        sock.setsockopt(sockets.IPPROTO_TCP, option, value)
+                sock.settimeout(self.socket_connect_timeout)
+                sock.connect(address)
+                sock.settimeout(self.socket_timeout)
+            except OSError as exc:
+                sock.close()
+                error = exc
+                continue
+            return sock
+        raise error
+
+
+class _UnpatchedUnixConnection(redis.UnixDomainSocketConnection):
+    """A Unix socket connection made with the unpatched socket module."""
+
+    def _connect(self) -> Any:
+        sockets = unpatched.socket_module()
+        sock = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        try:
+            sock.settimeout(self.socket_connect_timeout)
+            sock.connect(self.path)
+            sock.settimeout(self.socket_timeout)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+
+#: the unpatched twin of each connection class that has one (TLS has none:
+#: the ssl module is patched too)
+_UNPATCHED: dict[type[Any], type[Any]] = {
+    redis.Connection: _UnpatchedTcpConnection,
+    redis.UnixDomainSocketConnection: _UnpatchedUnixConnection,
+}
+
+
+def renews_outside_the_hub(client: redis.Redis) -> bool:
+    """Whether ``client`` (a renewal client) waits outside the hub under patching."""
+    return isinstance(getattr(client, "connection_pool", None), _UnpatchedPool)
 
 
 def config_warnings(client: redis.Redis, url: str) -> bool:

@@ -104,6 +104,7 @@ def _record(job_id: str, raw: Mapping[Any, Any], where: str) -> LeaseRecord:
             released_at_ms=times["released_at"],
             released_by=text.get("released_by", ""),
             release_reason=text.get("release_reason", ""),
+            task_id=text.get("task_id", ""),
         )
     except ValueError as exc:  # UnicodeDecodeError and a bad state are ValueErrors
         raise unreadable(job_id, where, str(exc)) from exc

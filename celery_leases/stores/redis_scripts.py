@@ -45,14 +45,14 @@ local function whole(text)
   return text and string.match(text, '^%d+$') ~= nil
 end
 -- The fields of the record at key (owner, generation, state, lease_until,
--- takeovers, send_id, renew_count): nil when there is none, false when it
+-- takeovers, send_id, renew_count, task_id): nil when there is none, false when it
 -- cannot be read. One HMGET answers for a readable record; a key of another
 -- type answers WRONGTYPE (any other error, such as a Cluster key this node
 -- does not serve, stops the script), and a record without an owner is looked
 -- at again.
 local function fields(key)
   local f = redis.pcall('HMGET', key, 'owner', 'generation', 'state', 'lease_until',
-    'takeovers', 'send_id', 'renew_count')
+    'takeovers', 'send_id', 'renew_count', 'task_id')
   if f.err then
     if string.find(f.err, 'WRONGTYPE', 1, true) then
       return false
@@ -80,16 +80,21 @@ local function load(key)
     return f
   end
   return {owner = f[1], generation_text = f[2], generation = tonumber(f[2]), state = f[3],
-    lease_until = tonumber(f[4]), takeovers = tonumber(f[5] or '0'), send_id = f[6] or ''}
+    lease_until = tonumber(f[4]), takeovers = tonumber(f[5] or '0'), send_id = f[6] or '',
+    task_id = f[8] or ''}
 end
 """
 
 #: Claim the lease.
 #: KEYS[1] record key; ARGV[1] owner, ARGV[2] ttl in ms, ARGV[3] task name,
-#: ARGV[4] send id ("" when none), ARGV[5] "1" when a send id was given.
+#: ARGV[4] send id ("" when none), ARGV[5] "1" when a send id was given,
+#: ARGV[6] task id ("" when none).
+#: A completed record is of this run when no send id was given, the send id
+#: is the record's, or it is "task:" and the record's task id (a message
+#: without a send id, and the completer's task id).
 #: Returns {1, generation, lease_until, now, takeovers}  acquired
 #:         {2, holder, generation, lease_until, now}     held by a live lease elsewhere
-#:         {3, generation, send_id, outcome or nil}      already completed by this send
+#:         {3, generation, send_id, outcome or nil}      already completed by this run
 #:         {4}                                           the record cannot be read
 CLAIM_SCRIPT = (
     _PRELUDE
@@ -109,7 +114,9 @@ if r == nil then
   -- a new record (or one purged, or lost) starts at the clock
   generation, takeovers = now, 0
 elseif r.state == 'completed' then
-  if ARGV[5] ~= '1' or send_id == r.send_id then
+  -- 'task:' is TASK_ID_SEND_PREFIX
+  if ARGV[5] ~= '1' or send_id == r.send_id
+      or (r.task_id ~= '' and send_id == 'task:' .. r.task_id) then
     return {3, r.generation, r.send_id, redis.call('HGET', key, 'outcome')}
   end
   -- another send of a completed job: a new run
@@ -127,7 +134,7 @@ local lease_until = now + ttl_ms
 redis.call('HSET', key, 'owner', owner, 'generation', int(generation),
   'lease_until', int(lease_until), 'state', 'held', 'task_name', task_name,
   'claimed_at', int(now), 'renew_count', '0', 'takeovers', int(takeovers),
-  'send_id', send_id)
+  'send_id', send_id, 'task_id', ARGV[6])
 if r ~= nil then
   -- a new record never had these; an old one's belong to the previous run
   redis.call('HDEL', key, 'renewed_at', 'completed_at', 'outcome', 'released_at',

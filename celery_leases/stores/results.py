@@ -27,6 +27,7 @@ __all__ = [
     "RenewRequest",
     "RenewResult",
     "Renewed",
+    "TASK_ID_SEND_PREFIX",
     "ms_to_datetime",
     "refusal_for",
     "unreadable",
@@ -37,6 +38,12 @@ __all__ = [
 def ms_to_datetime(ms: int) -> datetime:
     """Convert store milliseconds since the epoch to an aware UTC datetime."""
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+#: The send id a claim gives for a message without one under a custom key:
+#: this, then the message's task id. Such a claim is the same run as a
+#: completion by a delivery with that task id, whatever its send id was.
+TASK_ID_SEND_PREFIX = "task:"
 
 
 class LeaseState(str, enum.Enum):
@@ -73,6 +80,8 @@ class LeaseRecord:
     released_by: str = ""
     #: why the last release was forced
     release_reason: str = ""
+    #: the task id of the delivery the current run came from; "" when not given
+    task_id: str = ""
 
     @property
     def lease_until(self) -> datetime:
@@ -82,6 +91,16 @@ class LeaseRecord:
     def is_live(self, store_now_ms: int) -> bool:
         """Whether this record is an unexpired holder at ``store_now_ms``."""
         return self.state is LeaseState.HELD and self.lease_until_ms > store_now_ms
+
+    def is_same_run(self, send_id: str | None) -> bool:
+        """Whether a claim with ``send_id`` is the run this completed record
+        is of: no send id, the same one, or ``task:<task id>`` with the task id
+        of the delivery that completed it."""
+        return (
+            send_id is None
+            or send_id == self.send_id
+            or (bool(self.task_id) and send_id == TASK_ID_SEND_PREFIX + self.task_id)
+        )
 
 
 # --- claim results ---------------------------------------------------------

@@ -49,6 +49,7 @@ from celery_leases.stores.deadline import time_left
 from celery_leases.stores.sql_engine import (
     MIN_SQLITE_VERSION,
     SQLITE_BUSY_TIMEOUT,
+    check_columns,
     check_sqlite_version,
     check_timeout,
     create_table,
@@ -153,9 +154,11 @@ class SqlStore(LeaseStore):
         self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = _Statements.build(self.table, self._dialect)
         self._operations = Operations(self._statements, self.url)
-        if create_table:
-            with store_waits(self.timeout):
+        with store_waits(self.timeout):
+            if create_table:
                 _create_table(engine, table_name)
+            else:
+                check_columns(engine, self.table)
 
     @classmethod
     def from_url(
@@ -261,6 +264,34 @@ class SqlStore(LeaseStore):
         """
         return sa.exists().where(_held_by(self.table, job_id, owner, generation))
 
+    def lock_in(self, conn: Connection, job_id: str, owner: str, generation: int) -> bool:
+        """Lock the record in ``conn``'s open transaction while ``owner``
+        holds ``job_id`` with ``generation`` and the lease has not run out
+        (by the database's clock); False when it does not.
+
+        ``conn`` is the caller's, on this store's database; its driver
+        errors pass through. The lock lasts until that transaction ends.
+        """
+        parameters = {"p_job_id": job_id, "p_owner": owner, "p_generation": generation}
+        return self._operations.lock(conn, parameters)
+
+    def complete_in(
+        self, conn: Connection, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult:
+        """The fenced completion, run in ``conn``'s open transaction: it
+        commits (or rolls back) with that transaction.
+
+        ``conn`` is the caller's, on this store's database; its driver
+        errors pass through.
+        """
+        parameters = {
+            "p_job_id": job_id,
+            "p_owner": owner,
+            "p_generation": generation,
+            "p_outcome": outcome,
+        }
+        return self._operations.complete(conn, parameters)
+
     # -- hooks --------------------------------------------------------------
 
     def _now_ms(self) -> int:
@@ -271,7 +302,13 @@ class SqlStore(LeaseStore):
         return self._call("now_ms", work, again=True)
 
     def _claim(
-        self, job_id: str, owner: str, ttl_ms: int, task_name: str, send_id: str | None
+        self,
+        job_id: str,
+        owner: str,
+        ttl_ms: int,
+        task_name: str,
+        send_id: str | None,
+        task_id: str,
     ) -> ClaimResult:
         """One statement when the claim takes the record; when it does not,
         one more that decides under the record's lock (PostgreSQL), or a
@@ -287,6 +324,7 @@ class SqlStore(LeaseStore):
             "p_task_name": task_name,
             "p_send_id": send_id or "",
             "p_new_send": send_id is not None,
+            "p_task_id": task_id,
         }
         operations = self._operations
 

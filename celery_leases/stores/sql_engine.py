@@ -53,6 +53,7 @@ from celery_leases.stores.sql_table import (
     DEFAULT_TABLE_NAME,
     _add_missing_columns,
     _Dialect,
+    _missing_columns,
     lease_table,
 )
 
@@ -141,6 +142,31 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
             raise LeaseConfigurationError(f"{about}: {reason(error)}. {FIX}") from error
         raise StoreUnavailable(f"{about}: {reason(error)}") from error
     return table
+
+
+def check_columns(engine: Engine, table: sa.Table) -> None:
+    """Refuse a lease table made by an older release that lacks columns,
+    for a store that does not create it (``create_table=False``).
+
+    A table that is missing, or a database that cannot be reached now, is
+    left to the store's calls to report.
+
+    Raises:
+        LeaseConfigurationError: the table lacks columns; the message gives
+            the statements that add them.
+    """
+    try:
+        with engine.connect() as conn:
+            missing = _missing_columns(conn, table)
+    except (exc.DBAPIError, exc.TimeoutError, exc.NoSuchTableError):
+        return
+    if missing:
+        statements = "; ".join(missing)
+        raise LeaseConfigurationError(
+            f"the lease table {table.name!r} in {masked_url(engine)} was made by an earlier "
+            f"version and lacks columns: run `celery leases init-db`, open the store with "
+            f"create_table=True, or run: {statements}"
+        )
 
 
 def check_timeout(timeout: object) -> float:

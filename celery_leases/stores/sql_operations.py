@@ -133,7 +133,7 @@ class Operations:
         """The answer to a claim that did not take ``holder``; None when the
         record may be taken after all (its lease ran out since the claim)."""
         if holder.state is LeaseState.COMPLETED:
-            if send_id is not None and send_id != holder.send_id:
+            if not holder.is_same_run(send_id):
                 return None
             return AlreadyCompleted(
                 holder.job_id, holder.generation, holder.send_id, holder.outcome
@@ -212,6 +212,13 @@ class Operations:
         if conn.execute(self.statements.complete, parameters).first() is None:
             return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
         return Completed(job_id, generation)
+
+    def lock(self, conn: Connection, parameters: dict[str, Any]) -> bool:
+        """Lock a current lease in ``conn``'s transaction; whether it matched."""
+        result = conn.execute(self.statements.lock, parameters)
+        if result.returns_rows:
+            return result.first() is not None
+        return bool(result.rowcount == 1)
 
     def release(self, conn: Connection, parameters: dict[str, Any]) -> ReleaseResult:
         job_id, owner, generation = (

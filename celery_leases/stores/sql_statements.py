@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
-from celery_leases.stores.base import LeaseState
+from celery_leases.stores.base import TASK_ID_SEND_PREFIX, LeaseState
 from celery_leases.stores.sql_table import _Dialect
 
 # --- the statements, built once per store ------------------------------------
@@ -24,8 +24,8 @@ from celery_leases.stores.sql_table import _Dialect
 # call finds the compiled SQL in the engine's compiled cache at once.
 #
 # Bind parameters: p_job_id, p_owner, p_generation, p_ttl_ms, p_task_name,
-# p_send_id, p_new_send (a send id was given), p_outcome, p_by, p_reason;
-# p_batch (the JSON of a renew_many); p_job_ids (expanding); p_older_than_ms.
+# p_send_id, p_new_send (a send id was given), p_task_id, p_outcome, p_by,
+# p_reason; p_batch (the JSON of a renew_many); p_job_ids (expanding); p_older_than_ms.
 # The "p_" keeps them apart from the column names, which SQLAlchemy reserves
 # in INSERT and UPDATE.
 
@@ -67,7 +67,9 @@ def _now_once(dialect: _Dialect) -> ColumnElement[int]:
 def _takeable(record: Any, now: Any, send_id: Any) -> ColumnElement[bool]:
     """A claim may take ``record`` over: released, held with a lease that
     ran out by ``now`` (at ``lease_until`` exactly, it has run out), or
-    completed under another send id than a given ``:p_send_id`` (a new run)."""
+    completed by another run than that of a given ``:p_send_id`` (a new
+    run): another send id, and not ``task:`` and the completer's task id
+    (``LeaseRecord.is_same_run``)."""
     held = LeaseState.HELD.value
     return sa.or_(
         record.state == LeaseState.RELEASED.value,
@@ -76,6 +78,10 @@ def _takeable(record: Any, now: Any, send_id: Any) -> ColumnElement[bool]:
             record.state == LeaseState.COMPLETED.value,
             sa.bindparam("p_new_send", type_=sa.Boolean),
             record.send_id != send_id,
+            sa.or_(
+                record.task_id == "",
+                send_id != sa.literal(TASK_ID_SEND_PREFIX, sa.String) + record.task_id,
+            ),
         ),
     )
 
@@ -84,7 +90,7 @@ def _takeover_values(
     t: sa.Table, dialect: _Dialect, now: Any, new: dict[str, Any]
 ) -> dict[str, Any]:
     """The SET of a takeover at ``now``; ``new`` holds the claim's owner,
-    lease_until, task_name and send_id."""
+    lease_until, task_name, send_id and task_id."""
     held = LeaseState.HELD.value
     return {
         **new,
@@ -110,8 +116,8 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     """INSERT ... SELECT ... ON CONFLICT (job_id) DO UPDATE ... RETURNING.
 
     A new row gets generation = now. An existing row is taken over only if
-    it is released, held with a lease that ran out, or completed under
-    another send id than a given ``:p_send_id`` (a new run); then its
+    it is released, held with a lease that ran out, or completed by another
+    run than that of a given ``:p_send_id`` (a new run); then its
     generation becomes ``max(generation + 1, now)`` and a held one counts as
     a takeover (a new run starts counting again). The clock bound keeps
     generations above every one handed out before when the database lost
@@ -134,6 +140,7 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
             sa.literal(0, sa.Integer),
             sa.literal(0, sa.Integer),
             sa.bindparam("p_send_id", type_=sa.String),
+            sa.bindparam("p_task_id", type_=sa.String),
         )
         .select_from(n)
         # SQLite reads "SELECT ... FROM n ON CONFLICT" as a join's ON
@@ -152,13 +159,14 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
             "renew_count",
             "takeovers",
             "send_id",
+            "task_id",
         ],
         source,
     )
     now = insert.excluded.claimed_at
     new = {
         name: getattr(insert.excluded, name)
-        for name in ("owner", "lease_until", "task_name", "send_id")
+        for name in ("owner", "lease_until", "task_name", "send_id", "task_id")
     }
     return insert.on_conflict_do_update(
         index_elements=[t.c.job_id],
@@ -204,6 +212,7 @@ def _decide_statement(table: sa.Table, dialect: _Dialect) -> Any:
         "lease_until": now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
         "task_name": sa.bindparam("p_task_name", type_=sa.String),
         "send_id": sa.bindparam("p_send_id", type_=sa.String),
+        "task_id": sa.bindparam("p_task_id", type_=sa.String),
     }
     upd = (
         sa.update(t)
@@ -247,6 +256,22 @@ def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
     )
 
 
+def _lock_statement(table: sa.Table, dialect: _Dialect) -> Any:
+    """Lock the record of ``:p_job_id`` while ``:p_owner`` holds it with
+    ``:p_generation`` and its lease has not run out, as the first statement
+    of a caller's transaction; it matches one row or none.
+
+    ``SELECT ... FOR UPDATE`` where the database locks rows that way
+    (PostgreSQL, MySQL). SQLite has no row locks: an UPDATE that changes
+    nothing takes the database's write lock, which a claim needs too.
+    """
+    t = table
+    current = sa.and_(_held_by_parameters(t), t.c.lease_until > dialect.now_ms())
+    if dialect.name == "sqlite":
+        return sa.update(t).values(generation=t.c.generation).where(current)
+    return sa.select(t.c.generation).where(current).with_for_update()
+
+
 @dataclass(frozen=True)
 class _Statements:
     """Every statement of a store's hot path, built once (see above)."""
@@ -260,6 +285,8 @@ class _Statements:
     renew: Any
     renew_many: Any
     complete: Any
+    #: lock a current lease in a caller's transaction (see _lock_statement)
+    lock: Any
     release: Any
     #: an operator's release; RETURNING the whole record
     force_release: Any
@@ -309,6 +336,7 @@ class _Statements:
                 .where(_held_by_parameters(t))
                 .returning(t.c.job_id)
             ),
+            lock=_lock_statement(t, dialect),
             release=(
                 sa.update(t)
                 .values(

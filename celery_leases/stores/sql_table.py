@@ -80,17 +80,29 @@ def _added_columns() -> list[sa.Column[Any]]:
         sa.Column("released_at", sa.BigInteger, nullable=True),
         sa.Column("released_by", sa.String(255), nullable=False, server_default=""),
         sa.Column("release_reason", sa.Text, nullable=False, server_default=""),
+        sa.Column("task_id", sa.String(255), nullable=False, server_default=""),
+    ]
+
+
+def _missing_columns(conn: Connection, table: sa.Table) -> list[str]:
+    """``ALTER TABLE ... ADD COLUMN`` for each column an older table lacks.
+
+    Raises:
+        sqlalchemy.exc.NoSuchTableError: there is no such table.
+    """
+    present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
+    return [
+        f"ALTER TABLE {table.name} ADD COLUMN "
+        f"{sa.schema.CreateColumn(column).compile(dialect=conn.dialect)}"
+        for column in _added_columns()
+        if column.name not in present
     ]
 
 
 def _add_missing_columns(conn: Connection, table: sa.Table) -> None:
-    """ALTER TABLE ... ADD COLUMN for each column an older table lacks."""
-    present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
-    for column in _added_columns():
-        if column.name in present:
-            continue
-        ddl = sa.schema.CreateColumn(column).compile(dialect=conn.dialect)
-        conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {ddl}"))
+    """Add each column an older table lacks."""
+    for statement in _missing_columns(conn, table):
+        conn.execute(sa.text(statement))
 
 
 # --- what differs between PostgreSQL and SQLite ------------------------------
@@ -244,6 +256,7 @@ def _record(row: RowMapping, where: str) -> LeaseRecord:
             released_at_ms=_optional_whole(row, "released_at"),
             released_by=_text(row, "released_by"),
             release_reason=_text(row, "release_reason"),
+            task_id=_text(row, "task_id"),
         )
     except (ValueError, TypeError) as error:
         raise unreadable(job_id, where, str(error)) from error

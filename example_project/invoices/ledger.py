@@ -1,9 +1,15 @@
 """The ledger: invoices, and one ledger entry per charged invoice.
 
-A charge writes its entry through a fence (``celery_leases_fences``, one row
-per invoice with the newest generation accepted) in the same transaction,
-so a stale run of the job is refused by the database itself, also when its
-write was already on the wire when a newer run took over.
+Two ways to write a charge:
+
+- :func:`post_charge` writes its entry through a fence
+  (``celery_leases_fences``, one row per invoice with the newest generation
+  accepted) in the same transaction, so a stale run of the job is refused
+  by the database itself, also when its write was already on the wire when
+  a newer run took over. The ledger may be in any database.
+- :func:`post_charge_once` writes plainly, on the connection of an
+  ``exactly_once`` transaction in the lease store's own database: the
+  entry commits with the job's completion, so it is written exactly once.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from celery_leases.fencing.sql import fence_table, fenced_execute
 __all__ = [
     "Entry",
     "add_invoice",
+    "amount_of",
     "entries",
     "invoices",
     "ledger",
     "open_ledger",
     "post_charge",
+    "post_charge_once",
 ]
 
 metadata = sa.MetaData()
@@ -107,6 +115,38 @@ def post_charge(engine: sa.Engine, lease: FencingToken, invoice_id: int, worker:
         )
         conn.execute(sa.update(invoices).where(invoices.c.id == invoice_id).values(status="paid"))
         return entry
+
+
+def amount_of(engine: sa.Engine, invoice_id: int) -> int:
+    """The amount of ``invoice_id``, in cents."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(invoices.c.amount_cents).where(invoices.c.id == invoice_id)
+            ).scalar_one()
+        )
+
+
+def post_charge_once(
+    conn: sa.Connection, lease: FencingToken, invoice_id: int, amount_cents: int, worker: str
+) -> Entry:
+    """Write the ledger entry of ``invoice_id`` and mark it paid, on ``conn``.
+
+    No fence: ``conn`` is in an ``exactly_once`` transaction, which commits
+    only with this run's fenced completion.
+    """
+    entry = Entry(invoice_id, amount_cents, lease.job_id, lease.generation, worker)
+    conn.execute(
+        sa.insert(ledger).values(
+            invoice_id=invoice_id,
+            amount_cents=amount_cents,
+            job_id=entry.job_id,
+            generation=entry.generation,
+            worker=worker,
+        )
+    )
+    conn.execute(sa.update(invoices).where(invoices.c.id == invoice_id).values(status="paid"))
+    return entry
 
 
 def entries(engine: sa.Engine) -> list[Entry]:

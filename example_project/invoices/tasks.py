@@ -1,4 +1,12 @@
-"""The Celery app and the leased ``charge_invoice`` task.
+"""The Celery app and the leased charge tasks, in two styles.
+
+- ``invoices.charge`` (``charge_invoice``): the ledger entry fenced by the
+  lease's generation, in any database, then the receipt; a run can be
+  repeated after a crash, and the fences make the repeat harmless.
+- ``invoices.charge_once`` (``charge_invoice_once``): the receipt first,
+  fenced, then the ledger entry inside ``exactly_once``, in the lease
+  store's own database: the entry commits with the job's completion, so it
+  is written exactly once.
 
 Start a worker with ``celery -A invoices.tasks worker`` from this folder;
 it reads its set-up from ``INVOICES_*`` variables (see :mod:`invoices.config`).
@@ -14,15 +22,17 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_leases import LeasedTask, LeaseLost, StaleFencingToken, signals
+from celery_leases.exactly_once import exactly_once
 from invoices.config import Config
-from invoices.ledger import open_ledger, post_charge
+from invoices.ledger import amount_of, open_ledger, post_charge, post_charge_once
 from invoices.receipts import ReceiptRefused, send_receipt
 from invoices.timeline import Timeline
 
-__all__ = ["CHARGE", "app", "make_app"]
+__all__ = ["CHARGE", "CHARGE_ONCE", "app", "make_app"]
 
-#: the task's name, as clients send it
+#: the tasks' names, as clients send them
 CHARGE = "invoices.charge"
+CHARGE_ONCE = "invoices.charge_once"
 
 
 def make_app(config: Config) -> Celery:
@@ -43,14 +53,17 @@ def make_app(config: Config) -> Celery:
         leases_on_lost="flag",
         leases_defer_max=max(config.ttl, 1.0),
     )
-    engines: dict[int, sa.Engine] = {}
+    engines: dict[tuple[int, str], sa.Engine] = {}
+
+    def engine_on(url: str) -> sa.Engine:
+        # one engine per process: a forked pool child must not share sockets
+        key = (os.getpid(), url)
+        if key not in engines:
+            engines[key] = open_ledger(url)
+        return engines[key]
 
     def ledger_engine() -> sa.Engine:
-        # one engine per process: a forked pool child must not share sockets
-        pid = os.getpid()
-        if pid not in engines:
-            engines[pid] = open_ledger(config.ledger_url)
-        return engines[pid]
+        return engine_on(config.ledger_url)
 
     timeline = Timeline(config.timeline_path)
 
@@ -92,6 +105,31 @@ def make_app(config: Config) -> Celery:
             "generation": lease.generation,
             "worker": config.worker,
         }
+
+    @app.task(base=LeasedTask, bind=True, name=CHARGE_ONCE, shared=False)  # type: ignore[untyped-decorator]
+    def charge_invoice_once(self: Any, invoice_id: int) -> dict[str, Any]:
+        """Charge one invoice: the receipt (fenced), then the ledger entry
+        and the job's completion in one transaction of the lease store's database."""
+        lease = self.lease
+        # the ledger tables live in the lease store's database
+        engine = engine_on(config.store_url)
+        _prepare(config.work_seconds)  # slow work: no transaction is open
+        amount = amount_of(engine, invoice_id)
+        # outside the transaction: fenced, and sent again by a later generation
+        # if this run dies before its commit
+        send_receipt(
+            config.receipts_url, lease, invoice_id, {"invoice": invoice_id, "amount_cents": amount}
+        )
+        with exactly_once(self, engine) as tx:
+            entry = post_charge_once(tx.connection, lease, invoice_id, amount, config.worker)
+            return tx.complete(
+                {
+                    "invoice": invoice_id,
+                    "amount_cents": entry.amount_cents,
+                    "generation": lease.generation,
+                    "worker": config.worker,
+                }
+            )
 
     _record_lease_signals(app, timeline, config.worker)
     return app

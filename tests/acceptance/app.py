@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ HEADERS = "acceptance.headers"
 SINGLETON = "acceptance.singleton"
 HOG = "acceptance.hog"
 SLOW_ONCE = "acceptance.slow_once"
+HOLD_HUB = "acceptance.hold_hub"
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,21 @@ def _sleep_steps(seconds: float, step: float) -> None:
         time.sleep(min(step, max(deadline - time.monotonic(), 0.0)))
 
 
+def _unpatched_sleep() -> Any:
+    """``time.sleep`` as it was before gevent or eventlet patched it."""
+    if "gevent.monkey" in sys.modules:
+        from gevent import monkey
+
+        if monkey.is_module_patched("time"):
+            return monkey.get_original("time", "sleep")
+    if "eventlet.patcher" in sys.modules:
+        from eventlet import patcher
+
+        if patcher.is_monkey_patched("time"):
+            return patcher.original("time").sleep
+    return time.sleep
+
+
 def _kill_after_first_completion(config: AcceptanceConfig) -> None:
     """SIGKILL this process once per job, right after its completion is accepted."""
 
@@ -394,6 +411,20 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
             _sleep_steps(seconds, 0.05)
         side_channel(config.side).incr(f"side:done:{self.request.id}")
         return {"run": runs, "generation": self.lease.generation}
+
+    @celery_app.task(base=LeasedTask, bind=True, shared=False, name=HOLD_HUB)
+    def hold_hub(self: Any, spin: float, block: float) -> None:
+        """Never yield: spin in a tight loop for ``spin`` seconds, then sleep
+        ``block`` seconds in the unpatched ``time.sleep`` (a blocking C call).
+
+        On a green pool every other greenlet of the worker waits meanwhile.
+        """
+        _event(config, self, "start")
+        end = time.monotonic() + spin
+        while time.monotonic() < end:
+            pass
+        _unpatched_sleep()(block)
+        _event(config, self, "done")
 
     @celery_app.task(bind=True, shared=False, name=PLAIN_STEPS)
     def plain_steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:

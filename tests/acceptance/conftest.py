@@ -113,20 +113,24 @@ class Cluster:
         concurrency: int = 1,
         start: bool = True,
         extra_args: tuple[str, ...] = (),
+        app: str = "tests.acceptance.app",
+        env: dict[str, str] | None = None,
         **changes: Any,
     ) -> Worker:
         """A worker on this test's queue, started unless ``start=False``.
 
-        ``changes`` override fields of the configuration for this worker.
+        ``changes`` override fields of the configuration for this worker;
+        ``app`` is its ``-A`` module and ``env`` more variables for it.
         """
         config = dataclasses.replace(self.config, **changes)
         worker = Worker(
             f"{name}-{config.queue}",
-            config.to_env(),
+            {**config.to_env(), **(env or {})},
             self.log_dir,
             pool=pool,
             concurrency=concurrency,
             queue=config.queue,
+            app=app,
             extra_args=extra_args,
         )
         self.workers.append(worker)
@@ -193,18 +197,6 @@ def store_server() -> Iterator[RedisServer]:
     """A redis-server of its own for the lease store, which a test may
     freeze, stop or restart while the broker keeps working."""
     yield from serve(RedisServer)
-
-
-@pytest.fixture(scope="session")
-def rabbit_server() -> Iterator[RabbitServer]:
-    """A private RabbitMQ node shared by the session (tests use their own queue)."""
-    yield from serve(RabbitServer)
-
-
-@pytest.fixture(scope="session")
-def sqs_server() -> Iterator[SqsServer]:
-    """A local SQS server shared by the session (tests use their own queue)."""
-    yield from serve(SqsServer)
 
 
 @pytest.fixture

@@ -1,13 +1,15 @@
 """The acceptance app with the operator features on: metrics and the purge task.
 
 ``LEASES_TEST_METRICS_PORT`` turns on the workers' metrics server
-(``leases_metrics_port``).
+(``leases_metrics_port``); ``install`` adds ``--leases-metrics-port`` to
+``celery worker``.
 """
 
 from __future__ import annotations
 
 import os
 
+from celery_leases import install
 from celery_leases.metrics import install_metrics
 from celery_leases.purge import schedule_purge
 from tests.acceptance.app import app
@@ -16,6 +18,6 @@ __all__ = ["app"]
 
 if os.environ.get("LEASES_TEST_METRICS_PORT"):
     app.conf.leases_metrics_port = int(os.environ["LEASES_TEST_METRICS_PORT"])
-    app.conf.leases_metrics_address = "127.0.0.1"
+install(app)
 install_metrics(app)
 schedule_purge(app, every=3600, older_than=60)

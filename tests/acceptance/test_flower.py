@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def test_task_page_shows_the_lease_of_a_normal_run(
     assert info["lease_job_id"] == result.id
     assert info["lease_generation"] == generation
     assert info["lease_owner"].startswith(f"{os.uname().nodename}:")
-    assert info["lease_until"]
+    # written as Flower writes its own times
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6} UTC", info["lease_until"])
     assert info["lease_renewals"] >= 1  # a 2 s body with renewals every 2/3 s
     assert info["lease_takeovers"] == 0
     assert info["lease_fate"] == f"completed by generation {generation}"
@@ -187,6 +189,7 @@ def test_task_page_shows_the_lease_of_a_normal_run(
     assert "Lease generation" in dom
     assert f"completed by generation {generation}" in dom
     assert f"generation {generation} on {value['worker']}: completed" in dom  # attempts
+    assert info["lease_until"] in dom
     screenshot = tmp_path / "flower-task.png"
     chromium(page, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1900")
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -257,6 +260,12 @@ def test_task_that_moved_between_workers_shows_each_attempt(
     deferred = [e for e in info["lease_attempts"] if e["outcome"] == "deferred"]
     assert deferred
     assert deferred[0]["reason"] == "held"
+    # in the order they happened: A's claim, the copy deferred while A held
+    # the job, B's takeover
+    attempts = info["lease_attempts"]
+    first_deferred = next(i for i, e in enumerate(attempts) if e["outcome"] == "deferred")
+    claimed_at = [e.get("generation") for e in attempts]
+    assert claimed_at.index(generation_a) < first_deferred < claimed_at.index(generation_b)
     assert info["worker"] == info["lease_ran_on"]
 
 

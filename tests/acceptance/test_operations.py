@@ -3,11 +3,14 @@ metrics server of a prefork worker, and the purge task run by a worker."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +26,16 @@ from tests.servers import free_port
 OPS_APP = "tests.acceptance.ops_app"
 
 
-def _worker(cluster: Cluster, name: str, pool: str, concurrency: int, **env: str) -> Worker:
+def _worker(
+    cluster: Cluster,
+    name: str,
+    pool: str,
+    concurrency: int,
+    *,
+    extra_args: tuple[str, ...] = (),
+    start: bool = True,
+    **env: str,
+) -> Worker:
     worker = Worker(
         f"{name}-{cluster.config.queue}",
         {**cluster.config.to_env(), **env},
@@ -32,9 +44,10 @@ def _worker(cluster: Cluster, name: str, pool: str, concurrency: int, **env: str
         concurrency=concurrency,
         queue=cluster.config.queue,
         app=OPS_APP,
+        extra_args=extra_args,
     )
     cluster.workers.append(worker)
-    return worker.start()
+    return worker.start() if start else worker
 
 
 def _inspect(cluster: Cluster, worker: Worker) -> list[dict[str, Any]]:
@@ -62,11 +75,15 @@ def test_inspect_leases_lists_what_each_worker_holds(
 
     rows = _inspect(cluster, worker)
     assert sorted(r["job_id"] for r in rows) == sorted(r.id for r in results)
+    # the job id is the task id here: each row names the task that holds it
+    assert [r["task_id"] for r in rows] == [r["job_id"] for r in rows]
     for row in rows:
         record = cluster.record(row["job_id"])
         assert record is not None
         assert row["generation"] == record.generation
         assert row["task_name"] == STEPS
+        # the default key: the job id is the task id (a pool child's from its record)
+        assert row["task_id"] == row["job_id"]
         assert 0 < row["remaining"] <= cluster.config.ttl
         assert not row["lost"]
     assert len({r["pid"] for r in rows}) == 2 if pool == "prefork" else 1
@@ -84,6 +101,78 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def test_two_workers_on_one_host_serve_metrics_on_the_free_ports_they_print(
+    cluster: Cluster,
+) -> None:
+    workers = [
+        _worker(cluster, f"port{i}", "prefork", 1, extra_args=("--leases-metrics-port", "0"))
+        for i in range(2)
+    ]
+    # the banner names the page, on this host only unless an address is set
+    printed = r"\.> metrics:\s+http://127\.0\.0\.1:(\d+)/metrics"
+    ports = [int(worker.wait_for_log(printed, timeout=10)[1]) for worker in workers]
+    assert ports[0] != ports[1]
+    results = [cluster.send(STEPS, 0.2) for _ in range(4)]
+    for result in results:
+        result.get(timeout=60)
+
+    def acquired(port: int) -> float:
+        return _scrape(port).get(
+            ("celery_leases_claims_total", (("outcome", "acquired"), ("task", STEPS))), 0.0
+        )
+
+    # each page counts its own worker's claims; together they count every run
+    assert wait_until(lambda: sum(map(acquired, ports)) == len(results), timeout=30)
+    for worker, port in zip(workers, ports, strict=True):
+        # the pool child closed its copy of the listening socket
+        listening = _listening_sockets(port)
+        assert listening
+        children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()
+        assert children
+        for child in children:
+            assert not listening & _sockets_of(int(child)), f"child {child} holds port {port}"
+
+
+def test_a_taken_metrics_port_stops_the_worker_at_start(cluster: Cluster) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = _worker(
+            cluster,
+            "taken",
+            "solo",
+            1,
+            extra_args=("--leases-metrics-port", str(port)),
+            start=False,
+        )
+        with pytest.raises(AssertionError, match="exited before logging"):
+            worker.start()
+        assert worker.wait_exit(timeout=30) == 1
+    assert f"Error: the metrics server cannot listen on 127.0.0.1:{port}" in worker.log()
+    assert "Traceback" not in worker.log()
+
+
+def _listening_sockets(port: int) -> set[str]:
+    """``socket:[inode]`` names of the TCP sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def _sockets_of(pid: int) -> set[str]:
+    """``socket:[inode]`` names of the open sockets of process ``pid``."""
+    names = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            names.add(os.readlink(fd))
+    return {name for name in names if name.startswith("socket:")}
 
 
 def test_prefork_worker_serves_metrics_of_all_its_children(cluster: Cluster) -> None:

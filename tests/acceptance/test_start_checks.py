@@ -30,9 +30,11 @@ def protected_redis() -> Iterator[RedisServer]:
     yield from serve(lambda: RedisServer("--requirepass", SERVER_PASSWORD))
 
 
-def _fails_at_start(cluster: Cluster, name: str, **changes: object) -> tuple[int, str]:
+def _fails_at_start(
+    cluster: Cluster, name: str, *, extra_args: tuple[str, ...] = (), **changes: object
+) -> tuple[int, str]:
     """Start a worker that must exit before it is ready; its exit code and log."""
-    worker = cluster.worker(name, start=False, **changes)
+    worker = cluster.worker(name, start=False, extra_args=extra_args, **changes)
     with pytest.raises(AssertionError, match="exited before logging"):
         worker.start(ready_timeout=START_TIMEOUT)
     return worker.wait_exit(timeout=30), worker.log()
@@ -52,19 +54,53 @@ def test_a_store_that_cannot_be_used_stops_the_worker_at_start(
 ) -> None:
     missing = f"sqlite:///{tmp_path / 'missing' / 'leases.db'}"
     code, log = _fails_at_start(cluster, "unusable", store=missing, store_options={})
-    assert code != 0
-    assert "LeaseConfigurationError" in log
+    assert code == 1
+    assert "Error: the lease store cannot be used" in log
     assert "does not exist" in log
     assert "Change leases_store or leases_store_options" in log
 
 
+@pytest.fixture
+def wrong_password_url(protected_redis: RedisServer) -> str:
+    """A store URL with the wrong password for ``protected_redis``."""
+    return f"redis://:{WRONG_PASSWORD}@127.0.0.1:{protected_redis.port}/0"
+
+
 def test_a_wrong_redis_password_stops_the_worker_without_showing_it(
-    cluster: Cluster, protected_redis: RedisServer
+    cluster: Cluster, wrong_password_url: str
 ) -> None:
-    url = f"redis://:{WRONG_PASSWORD}@127.0.0.1:{protected_redis.port}/0"
-    code, log = _fails_at_start(cluster, "wrongpw", store=url, store_options={})
-    assert code != 0
-    assert "LeaseConfigurationError" in log
-    assert "the lease store cannot be used" in log
+    code, log = _fails_at_start(cluster, "wrongpw", store=wrong_password_url, store_options={})
+    assert code == 1
     assert WRONG_PASSWORD not in log
     assert SERVER_PASSWORD not in log
+    # one line says what to change, at the end of the output; no traceback
+    assert "Traceback" not in log
+    (printed,) = [line for line in log.splitlines() if line.startswith("Error: ")]
+    assert "the lease store cannot be used" in printed
+    assert "check the user and password in the store URL" in printed
+    assert "celery-leases: the worker cannot start: the lease store cannot be used" in log
+
+
+def test_the_details_of_a_refused_start_are_logged_at_debug_level(
+    cluster: Cluster, wrong_password_url: str
+) -> None:
+    debug = ("--loglevel", "DEBUG")
+    _, log = _fails_at_start(
+        cluster, "wrongpwdebug", store=wrong_password_url, store_options={}, extra_args=debug
+    )
+    assert "the lease setup check failed" in log
+    assert "Traceback" in log
+    assert "AuthenticationError" in log
+    assert WRONG_PASSWORD not in log
+
+
+def test_the_banner_shows_the_lease_store_masked_and_the_ttl(
+    cluster: Cluster, protected_redis: RedisServer
+) -> None:
+    url = f"redis://:{SERVER_PASSWORD}@127.0.0.1:{protected_redis.port}/0"
+    worker = cluster.worker("banner", store=url, store_options={}, ttl=7.5)
+    banner = worker.out_path.read_text()
+    assert "[leases]" in banner
+    assert f".> store:       redis://:***@127.0.0.1:{protected_redis.port}/0" in banner
+    assert ".> ttl:         7.5 s, renewed every 2.5 s" in banner
+    assert SERVER_PASSWORD not in worker.log()

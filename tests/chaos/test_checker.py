@@ -197,3 +197,24 @@ def test_a_poison_verdict_is_an_answer_not_a_lost_job() -> None:
     assert report.counts["terminal errors (TakeoverLimitExceeded)"] == 1
     failed = run_check(History(), completed("A", 10), result="FAILURE:ValueError")
     assert any("FAILURE:ValueError" in v for v in failed.violations)
+
+
+def test_an_effect_applied_twice_is_caught_and_once_passes() -> None:
+    history = History()
+    takeover(history)
+    history.complete("B", 11)
+
+    def with_effects(rows: int) -> Report:
+        return check(
+            history.records,
+            jobs=[JOB],
+            targets={},
+            final={JOB: completed("B", 11)},
+            results={JOB: "SUCCESS"},
+            effects={JOB: rows},
+        )
+
+    assert with_effects(1).ok, with_effects(1).format()
+    for rows in (0, 2):
+        report = with_effects(rows)
+        assert [v for v in report.violations if v.startswith("I7 ")], report.format()

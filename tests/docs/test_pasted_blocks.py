@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.test_code_blocks import PYTHON, ROOT, SNIPPET, Block, is_included
+from tests.servers import RedisServer
 
 DOCS = ROOT / "docs"
 LINK = re.compile(r"\]\((?P<target>[^)\s#]+)\)")
@@ -81,9 +82,9 @@ def test_the_tutorials_blocks_pasted_in_order_make_its_complete_files() -> None:
         assert _code(text) == _code((DOCS / "examples" / "tutorial" / name).read_text()), name
 
 
-def _pytest(folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _pytest(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder), *args],
         cwd=folder,
         env={**os.environ, **env},
         capture_output=True,
@@ -103,6 +104,19 @@ def test_the_tutorials_pasted_tests_pass_and_leave_the_shops_data_alone(tmp_path
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "2 passed" in completed.stdout
     assert sorted(p.name for p in data.iterdir()) == []
+
+
+def test_the_testing_guides_files_pass_on_a_real_redis_store(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # the app's ttl is 30 s: lose() and steal() must not wait it out, or the
+    # lost-lease test times out and its worker thread cannot stop
+    for name in ("payments.py", "test_payments.py"):
+        shutil.copy(DOCS / "examples" / "testing" / name, tmp_path / name)
+    store = f"redis://127.0.0.1:{redis_server.port}/3"
+    completed = _pytest(tmp_path, {}, "--leases-store", store)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "3 passed" in completed.stdout
 
 
 def test_the_testing_guides_files_pass_in_an_empty_folder(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.broker_servers import RabbitServer
 from tests.servers import PostgresServer, RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -113,3 +114,10 @@ def test_ctrl_c_stops_every_process_the_demo_started_also_a_frozen_one(tmp_path:
     for group in groups:
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
+
+
+def test_demo_on_rabbitmq(tmp_path: Path, rabbit_server: RabbitServer) -> None:
+    """On RabbitMQ the frozen holder keeps its message unacked; the demo's second
+    send is deferred by B until A's lease runs out, as on Redis."""
+    report = run_demo(tmp_path, "--broker", rabbit_server.url)
+    check_timeline(report)

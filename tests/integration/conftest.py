@@ -94,8 +94,17 @@ def make_app(redis_server: RedisServer, unique: str) -> Iterator[Callable[..., C
 
 
 @contextmanager
-def worker(app: Celery, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
+def worker(
+    app: Celery, pool: str = "solo", concurrency: int = 1, queues: list[str] | None = None
+) -> Iterator[Any]:
+    """A worker of ``app`` in a thread; it consumes ``queues``, else the default queue."""
+    extra: dict[str, Any] = {} if queues is None else {"queues": queues}
     with start_worker(
-        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        shutdown_timeout=30,
+        **extra,
     ) as running:
         yield running

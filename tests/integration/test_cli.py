@@ -123,9 +123,13 @@ def test_ls_prints_a_table_by_default(target: tuple[Cli, LeaseStore]) -> None:
 
 def test_show_prints_every_field_of_one_record(target: tuple[Cli, LeaseStore]) -> None:
     cli, store = target
-    generation = _claim(store, "shown", task="t.show")
+    claimed = store.claim(
+        "shown", OWNER, 60, task_name="t.show", send_id="send-9", task_id="task-9"
+    )
+    generation = claimed.generation
     shown = cli.json("show", "shown")
     assert shown["job_id"] == "shown"
+    assert (shown["send_id"], shown["task_id"]) == ("send-9", "task-9")
     assert shown["generation"] == generation
     assert shown["owner"] == OWNER
     assert shown["state"] == "held"

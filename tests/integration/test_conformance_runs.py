@@ -1,7 +1,8 @@
 """Conformance, part two: send ids, outcomes, forced releases, bounds, purge.
 
 Like ``test_conformance.py``, every test runs on every store kind (memory,
-redis, postgres, sqlite) through the parametrized ``store`` fixture.
+redis, postgres, sqlite, and Redis on a cluster) through the parametrized
+``store`` fixture.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from tests.integration.test_conformance import (
     wait_for_store_clock,
     wait_until_run_out,
 )
+
+# the fixture of every store kind, the cluster too
+from tests.integration.test_conformance import store_kind as store_kind
 
 JOB = "job-1"
 A = "worker-a"
@@ -111,6 +115,69 @@ def test_claim_over_a_released_record_stores_the_new_send_id(store: LeaseStore) 
     record = store.get(JOB)
     assert record is not None
     assert record.send_id == "send-2"
+
+
+# --- a message without a send id: the same run only with the completer's task id
+
+
+def test_claim_keeps_the_task_id_in_the_record(store: LeaseStore) -> None:
+    store.claim(JOB, A, 30, send_id="send-1", task_id="task-1")
+    store.claim("other", A, 30, send_id="send-2")
+    assert {r.job_id: r.task_id for r in store.records()} == {JOB: "task-1", "other": ""}
+
+
+@pytest.mark.parametrize("completer_send_id", ["send-1", "task:task-1"])
+def test_a_message_without_a_send_id_with_the_completers_task_id_is_the_same_run(
+    store: LeaseStore, completer_send_id: str
+) -> None:
+    # the completer's message had a send id, or had none either
+    first = store.claim(JOB, A, 30, send_id=completer_send_id, task_id="task-1")
+    assert isinstance(first, Acquired)
+    store.complete(JOB, A, first.generation, outcome=b"result")
+    again = store.claim(JOB, B, 30, send_id="task:task-1", task_id="task-1")
+    assert again == AlreadyCompleted(JOB, first.generation, completer_send_id, b"result")
+
+
+def test_a_message_without_a_send_id_with_another_task_id_is_a_new_run(
+    store: LeaseStore,
+) -> None:
+    first = store.claim(JOB, A, 30, send_id="send-1", task_id="task-1")
+    assert isinstance(first, Acquired)
+    store.complete(JOB, A, first.generation, outcome=b"first")
+    second = store.claim(JOB, B, 30, send_id="task:task-2", task_id="task-2")
+    assert isinstance(second, Acquired), second
+    assert second.generation > first.generation
+    record = store.get(JOB)
+    assert record is not None
+    assert (record.send_id, record.task_id) == ("task:task-2", "task-2")
+    # serialized by the lease: the first task id, sent again, waits for it
+    held = store.claim(JOB, A, 30, send_id="task:task-1", task_id="task-1")
+    assert isinstance(held, HeldElsewhere)
+    store.complete(JOB, B, second.generation, outcome=b"second")
+    # now the second task id completed the job, and the first is a new run again
+    done = store.claim(JOB, A, 30, send_id="task:task-2", task_id="task-2")
+    assert done == AlreadyCompleted(JOB, second.generation, "task:task-2", b"second")
+    third = store.claim(JOB, A, 30, send_id="task:task-1", task_id="task-1")
+    assert isinstance(third, Acquired), third
+
+
+def test_a_new_send_with_the_completers_task_id_is_a_new_run(store: LeaseStore) -> None:
+    # a send id, when there is one, decides alone (retry, replace, sent again)
+    first = store.claim(JOB, A, 30, send_id="send-1", task_id="task-1")
+    assert isinstance(first, Acquired)
+    store.complete(JOB, A, first.generation)
+    second = store.claim(JOB, B, 30, send_id="send-2", task_id="task-1")
+    assert isinstance(second, Acquired), second
+
+
+def test_a_record_without_a_task_id_is_matched_by_its_send_id_alone(
+    store: LeaseStore,
+) -> None:
+    # records written before task ids were kept have none
+    first = claim_sent(store, "send-1")
+    store.complete(JOB, A, first.generation)
+    taken = store.claim(JOB, B, 30, send_id="task:", task_id="")
+    assert isinstance(taken, Acquired), taken
 
 
 # --- outcomes ----------------------------------------------------------------
@@ -208,6 +275,8 @@ def test_ttl_of_exactly_one_day_is_granted(store: LeaseStore) -> None:
         (lambda s: s.claim(JOB, A, 30, task_name="task\x00"), "NUL"),
         (lambda s: s.claim(JOB, A, 30, send_id="s" * 256), "255"),
         (lambda s: s.claim(JOB, A, 30, send_id="s\x00"), "NUL"),
+        (lambda s: s.claim(JOB, A, 30, task_id="t" * 256), "255"),
+        (lambda s: s.claim(JOB, A, 30, task_id="t\x00"), "NUL"),
         (lambda s: s.get("bad\ud800job"), "Unicode"),
         (lambda s: s.complete(JOB, A, 1, outcome="text"), "bytes"),
     ],

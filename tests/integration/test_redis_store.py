@@ -55,6 +55,7 @@ RECORD_FIELDS = {
     "renew_count",
     "takeovers",
     "send_id",
+    "task_id",
 }
 
 

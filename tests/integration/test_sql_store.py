@@ -64,6 +64,7 @@ EXPECTED_COLUMNS = {
     "released_at": (True, True),
     "released_by": (False, False),
     "release_reason": (False, False),
+    "task_id": (False, False),
 }
 
 
@@ -217,6 +218,37 @@ def test_table_of_an_older_release_gets_the_new_columns(sql_url: str, table_name
             store.close()
     finally:
         engine.dispose()
+
+
+def test_a_table_without_the_task_id_column_is_refused_at_open_with_the_fix(
+    sql_url: str, table_name: str
+) -> None:
+    # the table of the release before task ids were kept, in a database whose
+    # stores do not create their table
+    made = SqlStore.from_url(sql_url, table_name=table_name)
+    with made.engine.begin() as conn:
+        conn.exec_driver_sql(f"ALTER TABLE {table_name} DROP COLUMN task_id")
+    made.close()
+    with pytest.raises(LeaseConfigurationError) as refused:
+        SqlStore.from_url(sql_url, table_name=table_name, create_table=False)
+    message = str(refused.value)
+    assert "celery leases init-db" in message
+    assert f"ALTER TABLE {table_name} ADD COLUMN task_id VARCHAR(255) DEFAULT '' NOT NULL" in (
+        message
+    )
+    engine = sa.create_engine(sql_url)
+    try:
+        create_table(engine, table_name)  # what init-db runs
+    finally:
+        engine.dispose()
+    store = SqlStore.from_url(sql_url, table_name=table_name, create_table=False)
+    try:
+        store.claim("job", A, 30, send_id="send-1", task_id="task-1")
+        record = store.get("job")
+        assert record is not None
+        assert record.task_id == "task-1"
+    finally:
+        store.close()
 
 
 def test_table_creation_is_idempotent(sql_url: str, table_name: str) -> None:

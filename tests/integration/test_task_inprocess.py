@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
@@ -227,6 +228,42 @@ def test_store_down_at_claim_defers_until_it_is_back(
     record = store_for(app).get(result.id)
     assert record is not None
     assert record.state is LeaseState.COMPLETED
+
+
+def test_a_copy_made_for_a_store_outage_goes_to_the_republish_queue(
+    make_app: Callable[..., Celery],
+    recorder: Recorder,
+    unique: str,
+    lease_server: RedisServer,
+    redis_server: RedisServer,
+) -> None:
+    again = f"again{unique}"
+    app = make_app(
+        lease_server.url,
+        leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
+        leases_republish_options={"queue": again},
+    )
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> str:
+        recorder.add("body")
+        return "ran"
+
+    broker = redis.Redis.from_url(redis_server.url)
+    lease_server.stop()
+    with worker(app):  # consumes the app's default queue only
+        result = job.delay()
+        (deferred,) = recorder.wait("duplicate_deferred")
+        assert deferred["reason"] == "store-unavailable"
+    # the copy waits in its own queue, not behind the default queue's backlog
+    assert broker.llen(again) == 1
+    assert broker.llen(app.conf.task_default_queue) == 0
+    assert recorder.of("body") == []
+    lease_server.start()
+    with worker(app, queues=[again]):
+        assert result.get(timeout=WAIT) == "ran"
+    assert len(recorder.of("body")) == 1
+    broker.close()
 
 
 def test_a_fenced_out_completion_writes_nothing(
@@ -573,7 +610,7 @@ def test_cli_options_are_added_once_and_override_the_settings(
     app.finalize()
     LeasedTask.on_bound(app)  # binding again does not add the options twice
     names = sorted(o.name for o in app.user_options["worker"])
-    assert names == ["leases_store", "leases_ttl"]
+    assert names == ["leases_metrics_port", "leases_store", "leases_ttl"]
     with start_worker(
         app, pool="solo", perform_ping_check=False, shutdown_timeout=30, leases_ttl=42.0
     ):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
+import sqlalchemy as sa
 from celery import Celery
+from sqlalchemy.orm import Session
 
 from celery_leases import (
     Lease,
@@ -15,6 +17,7 @@ from celery_leases import (
     TakeoverLimitExceeded,
     install,
 )
+from celery_leases.exactly_once import ExactlyOnce, exactly_once
 from celery_leases.metrics import install_metrics
 from celery_leases.purge import schedule_purge
 from celery_leases.signals import lease_lost
@@ -66,3 +69,14 @@ def limit(error: TakeoverLimitExceeded) -> int:
 # operator tools
 purge_entry: dict[str, object] = schedule_purge(app, every=3600, older_than=7 * 86400)
 install_metrics(app, required=False)
+
+
+# exactly-once database effects
+def bill(task: LeasedTask, engine: sa.Engine, session: Session) -> dict[str, int]:
+    with exactly_once(task, engine) as tx:
+        open_tx: ExactlyOnce = tx
+        conn: sa.Connection = open_tx.connection
+        conn.execute(sa.text("SELECT 1"))
+        amount: int = tx.complete(42)
+    with exactly_once(task, session) as tx:
+        return tx.complete({"amount": amount})

@@ -70,7 +70,9 @@ def test_a_held_lease_keeps_the_task_started_with_its_fields(state: State) -> No
     assert info["lease_job_id"] == "t1"
     assert info["lease_generation"] == 7
     assert info["lease_owner"] == "a@h:1:abc"
-    assert info["lease_until"] == "2026-01-01T00:00:20+00:00"
+    # as Flower writes its own times; each attempt keeps ISO 8601
+    assert info["lease_until"] == "2026-01-01 00:00:20.000000 UTC"
+    assert task.lease_attempts[0]["lease_until"] == "2026-01-01T00:00:20+00:00"
     assert info["lease_renewals"] == 1
     assert info["lease_fate"] == "held"
     assert info["lease_ran_on"] is None
@@ -115,6 +117,24 @@ def test_events_of_two_claims_in_any_order_sort_by_generation(state: State) -> N
     assert [entry["generation"] for entry in task.lease_attempts] == [8, 9]
     assert task.lease_generation == 9
     assert task.lease_fate == "held"
+
+
+def test_a_deferral_is_listed_between_the_claims_it_came_between(state: State) -> None:
+    send(state, "task-received", name="job")
+    claim(state, 7, timestamp=1.0)
+    claim(state, 7, "lost", reason="deadline", timestamp=2.0)
+    # the deferral's event arrives last, but it happened before the second claim
+    claim(state, 8, hostname="b@h", timestamp=4.0)
+    send(state, "lease-deferred", hostname="b@h", job_id="t1", reason="held", timestamp=3.0)
+    task = state.tasks["t1"]
+    assert [(e.get("generation"), e["outcome"]) for e in task.lease_attempts] == [
+        (7, "lost"),
+        (None, "deferred"),
+        (8, "claimed"),
+    ]
+    assert str(task.lease_attempts) == (
+        "generation 7 on a@h: lost (deadline); deferred (held) on b@h; generation 8 on b@h: claimed"
+    )
 
 
 @pytest.mark.parametrize(

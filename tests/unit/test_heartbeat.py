@@ -187,6 +187,8 @@ def test_short_runs_one_after_another_do_not_wake_the_idle_thread() -> None:
         heartbeat._wake.set()  # a wake-up that finds no lease: the thread goes idle
         assert wait_for(lambda: len(ticks) >= 2)
         time.sleep(0.1)
+        # the first add's own wake-up may land after the one above: idle now
+        idle = len(ticks)
         for n in range(10):  # each lease is gone before the next one comes
             lease = claim(store, f"job-{n}", [], timing)
             heartbeat.add(lease)
@@ -197,7 +199,8 @@ def test_short_runs_one_after_another_do_not_wake_the_idle_thread() -> None:
         heartbeat.stop()
     # idle, the thread sleeps one renew interval, not an hour: a lease added
     # meanwhile is due after it wakes anyway, so adding one does not wake it
-    assert len(ticks) == 2, len(ticks)
+    assert len(ticks) == idle, (idle, len(ticks))
+    assert idle <= 3
     assert store.batches == []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 from celery import Celery
@@ -10,23 +11,43 @@ from celery import Celery
 from celery_leases import LeasedTask, observe, signals
 
 
-def test_a_skipped_copy_is_logged_with_the_completed_generation(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    app = Celery("skipped", set_as_current=False)
+@pytest.fixture
+def job(caplog: pytest.LogCaptureFixture) -> Iterator[LeasedTask]:
+    """A leased task of a fresh app; transition lines at INFO are captured."""
+    app = Celery("transitions", set_as_current=False)
 
-    @app.task(shared=False, base=LeasedTask, bind=True, name="skipped.job")
-    def job(self: LeasedTask) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True, name="transitions.job")
+    def leased(self: LeasedTask) -> None:
         pass
 
     caplog.set_level(logging.INFO, logger="celery_leases.transitions")
     try:
-        observe._skipped(job, job_id="j1", generation=7, task_id="t1")
+        yield leased
     finally:
         app.close()
+
+
+def _line(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
     (record,) = [r for r in caplog.records if r.name == "celery_leases.transitions"]
-    assert record.getMessage() == "lease skipped: job=j1 task=t1 generation=7 owner=None"
+    return record
+
+
+def test_a_skipped_copy_is_logged_with_the_completed_generation(
+    job: LeasedTask, caplog: pytest.LogCaptureFixture
+) -> None:
+    observe._skipped(job, job_id="j1", generation=7, task_id="t1")
+    record = _line(caplog)
+    assert record.getMessage() == "lease skipped: job=j1 task=t1 generation=7"
     assert (record.lease_transition, record.job_id, record.generation) == ("skipped", "j1", 7)  # type: ignore[attr-defined]
+
+
+def test_a_deferred_copy_is_logged_without_a_generation_or_owner_it_does_not_have(
+    job: LeasedTask, caplog: pytest.LogCaptureFixture
+) -> None:
+    observe._deferred(job, job_id="j1", reason="held", countdown=1.0, deferrals=1, holder="h:12:ab")
+    assert _line(caplog).getMessage() == (
+        "lease deferred: job=j1 task=None reason=held countdown=1.0 deferrals=1 holder=h:12:ab"
+    )
 
 
 def test_the_receiver_is_connected_when_the_signal_exists() -> None:

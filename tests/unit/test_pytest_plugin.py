@@ -71,35 +71,46 @@ def test_a_store_url_from_the_environment_is_used(
     assert not isinstance(store, MemoryStore)
     with pytest.raises(LeaseConfigurationError, match="steal"):
         faults.expire("job")
-    first = store.claim("job", "owner-a", 0.3)
-    assert isinstance(first, Acquired)
-    # a real clock: steal waits for the lease to run out, then claims
-    stolen = faults.steal("job")
-    assert stolen.generation == max(first.generation + 1, stolen.store_now_ms)
 
 
-def test_steal_gives_up_on_a_holder_that_keeps_renewing(
+def test_steal_on_a_real_store_fences_out_a_holder_that_keeps_renewing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     monkeypatch.setenv(ENV_STORE, f"sqlite:///{tmp_path / 'leases.db'}")
     store = request.getfixturevalue("lease_store")
     faults: LeaseFaults = request.getfixturevalue("lease_faults")
-    first = store.claim("job", "owner-a", 0.4)
+    # an hour-long lease, renewed by its holder: waiting for it to run out
+    # would never end
+    first = store.claim("job", "owner-a", 3600.0)
     assert isinstance(first, Acquired)
     stop = threading.Event()
+    refusals: list[object] = []
 
     def renew() -> None:
-        while not stop.wait(0.1):
-            store.renew("job", "owner-a", first.generation, 0.4)
+        while not stop.wait(0.05):
+            answer = store.renew("job", "owner-a", first.generation, 3600.0)
+            if isinstance(answer, Refusal):
+                refusals.append(answer)
+                return
 
     renewer = threading.Thread(target=renew)
     renewer.start()
+    stolen: list[Acquired] = []
+    stealer = threading.Thread(target=lambda: stolen.append(faults.steal("job")), daemon=True)
     try:
-        with pytest.raises(TimeoutError, match="keeps renewing"):
-            faults.steal("job", grace=0.5)
+        stealer.start()
+        stealer.join(timeout=30)
+        assert stolen, "steal() waited for a lease that is renewed"
+        renewer.join(timeout=10)  # it ends at its first refused renewal
     finally:
         stop.set()
         renewer.join(timeout=10)
+    assert stolen[0].generation > first.generation
+    assert refusals, "the holder's renewal was not refused"
+    assert isinstance(store.complete("job", "owner-a", first.generation), Refusal)
+    record = store.get("job")
+    assert record is not None
+    assert record.owner == stolen[0].owner
 
 
 @pytest.fixture

@@ -50,4 +50,6 @@ def test_a_leased_task_alone_installs_the_bootstep_and_the_inspect_command() -> 
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
-    assert done.stdout.split("\n")[0] == "True ['leases_store', 'leases_ttl'] True"
+    assert done.stdout.split("\n")[0] == (
+        "True ['leases_metrics_port', 'leases_store', 'leases_ttl'] True"
+    )

@@ -241,3 +241,26 @@ def test_result_max_bytes_boundaries_are_accepted(value: int) -> None:
 def test_every_on_lost_mode_is_still_accepted(mode: str) -> None:
     settings = LeaseSettings.from_conf({"leases_store": "memory://", "leases_on_lost": mode})
     assert settings.on_lost == mode
+
+
+def test_republish_options_take_a_queue_and_a_priority() -> None:
+    settings = LeaseSettings.from_conf(
+        {"leases_store": "memory://", "leases_republish_options": {"queue": "again", "priority": 9}}
+    )
+    assert settings.republish_options == {"queue": "again", "priority": 9}
+    assert LeaseSettings.from_conf({"leases_store": "memory://"}).republish_options == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ("again", "must be a dict"),
+        ({"exchange": "x"}, "takes only queue and priority"),
+        ({"queue": ""}, "must be a queue name"),
+        ({"priority": 256}, "from 0 to 255"),
+        ({"priority": True}, "from 0 to 255"),
+    ],
+)
+def test_wrong_republish_options_say_what_to_change(options: object, match: str) -> None:
+    with pytest.raises(LeaseConfigurationError, match=match):
+        LeaseSettings.from_conf({"leases_store": "memory://", "leases_republish_options": options})

@@ -1,0 +1,182 @@
+"""Benchmark: the memory a real threads worker spends per running leased task.
+
+Run it from the repository root::
+
+    .venv/bin/python bench/worker_memory.py                 # 1,000 tasks at once
+    .venv/bin/python bench/worker_memory.py --tasks 500 --rounds 3
+
+Each round starts a throwaway redis-server (broker and lease store), then,
+one after the other, two ``celery worker --pool threads -c N`` processes on
+the same app module (this file): one whose task is a plain Celery task and
+one whose task is a :class:`~celery_leases.LeasedTask` (ttl 60 s). Each
+worker gets N tasks that all run at once and wait for a key in Redis; the
+worker's resident memory (``VmRSS`` of its one process) is read once it is
+idle and once every task runs. The figure per task is
+
+    ((leased busy - leased idle) - (plain busy - plain idle)) / N
+
+the memory a running task costs with a lease beyond what it costs in plain
+Celery (its thread, request and message are in both). The idle gap (the
+library's imports) is printed apart.
+
+The worker imports this module as its app (``-A bench.worker_memory``); the
+``BENCH_*`` environment variables say which task it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import redis  # noqa: E402
+from celery import Celery  # noqa: E402
+
+from celery_leases import LeasedTask  # noqa: E402
+
+TASK_NAME = "bench.hold"
+STARTED_KEY = "bench:started"
+RELEASE_KEY = "bench:release"
+
+
+def make_app() -> Celery:
+    """The worker's app, from ``BENCH_BROKER``, ``BENCH_STORE`` and ``BENCH_LEASED``."""
+    celery_app = Celery("bench-memory", broker=os.environ.get("BENCH_BROKER", "memory://"))
+    celery_app.conf.update(
+        leases_store=os.environ.get("BENCH_STORE", "memory://"),
+        leases_ttl=60.0,
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+    )
+    side = os.environ.get("BENCH_SIDE")
+    leased = os.environ.get("BENCH_LEASED") == "1"
+
+    def hold(n: int) -> int:
+        client = redis.Redis.from_url(side or "redis://127.0.0.1:6379/0")
+        client.incr(STARTED_KEY)
+        while not client.exists(RELEASE_KEY):
+            time.sleep(0.2)
+        client.close()
+        return n
+
+    options: dict[str, Any] = {"name": TASK_NAME, "acks_late": True}
+    if leased:
+        options["base"] = LeasedTask
+    celery_app.task(**options)(hold)
+    return celery_app
+
+
+app = make_app()
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _settled_rss_kb(pid: int) -> int:
+    """RSS once it stops growing (three reads 0.5 s apart within 64 KiB)."""
+    reads = [_rss_kb(pid)]
+    while len(reads) < 3 or max(reads[-3:]) - min(reads[-3:]) > 64:
+        time.sleep(0.5)
+        reads.append(_rss_kb(pid))
+        if len(reads) > 60:
+            break
+    return reads[-1]
+
+
+def _wait(probe: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> tuple[int, int]:
+    """Start one worker, run ``tasks`` tasks at once; its idle and busy RSS in KiB."""
+    broker = f"{server_url}/{db}"
+    env = {
+        **os.environ,
+        "BENCH_BROKER": broker,
+        "BENCH_STORE": f"{server_url}/{db + 1}",
+        "BENCH_SIDE": f"{server_url}/{db + 2}",
+        "BENCH_LEASED": "1" if leased else "0",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    side = redis.Redis.from_url(env["BENCH_SIDE"])
+    side.delete(STARTED_KEY, RELEASE_KEY)
+    log = Path(f"/tmp/bench-worker-memory-{os.getpid()}-{int(leased)}.log")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "bench.worker_memory", "worker",
+         "--pool", "threads", "-c", str(tasks), "--loglevel", "WARNING",
+         "--without-mingle", "--without-gossip", "--without-heartbeat", "--logfile", str(log)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = Celery("bench-client", broker=broker)
+        _wait(lambda: client.control.ping(timeout=0.5) or False, 60, "the worker to start")
+        idle = _settled_rss_kb(worker.pid)
+        for n in range(tasks):
+            client.send_task(TASK_NAME, args=(n,))
+        _wait(lambda: int(side.get(STARTED_KEY) or 0) >= tasks, 600, f"{tasks} running tasks")
+        busy = _settled_rss_kb(worker.pid)
+        side.set(RELEASE_KEY, "1")
+        client.close()
+        return idle, busy
+    finally:
+        worker.terminate()  # a warm shutdown; the tasks were told to end
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.wait(timeout=30)
+        worker.kill()  # nothing left to do once it exited
+        worker.wait()
+        side.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1000, help="tasks running at once")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds (each: plain, then leased)")
+    args = parser.parse_args(argv)
+
+    from tests.servers import RedisServer
+
+    per_task: list[float] = []
+    server = RedisServer()
+    try:
+        url = f"redis://127.0.0.1:{server.port}"
+        for n in range(args.rounds):
+            plain_idle, plain_busy = measure(url, 0, leased=False, tasks=args.tasks)
+            leased_idle, leased_busy = measure(url, 4, leased=True, tasks=args.tasks)
+            extra = ((leased_busy - leased_idle) - (plain_busy - plain_idle)) / args.tasks
+            per_task.append(extra)
+            print(
+                f"round {n + 1}: plain idle {plain_idle} KiB busy {plain_busy} KiB "
+                f"({(plain_busy - plain_idle) / args.tasks:.1f} KiB per task); leased idle "
+                f"{leased_idle} KiB busy {leased_busy} KiB "
+                f"({(leased_busy - leased_idle) / args.tasks:.1f} KiB per task); "
+                f"a lease adds {extra:.1f} KiB per running task; imports add "
+                f"{leased_idle - plain_idle} KiB"
+            )
+    finally:
+        server.close()
+    print(f"median over {len(per_task)} rounds: {statistics.median(per_task):.1f} KiB per task")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""Exactly-once database effects: the task's writes and its completion in one commit.
+
+When the lease store is an ``SqlStore`` and the task's tables live in the
+same database, :func:`exactly_once` opens one short transaction that locks
+the lease record, runs the task's writes and ends with the fenced
+completion, which keeps the run's outcome; it commits once::
+
+    @app.task(base=LeasedTask, bind=True)
+    def bill(self, order_id):
+        total = price(order_id)                  # minutes, outside any transaction
+        with exactly_once(self, session) as tx:  # BEGIN; lock the lease record
+            session.add(Invoice(order_id=order_id, total=total))
+            return tx.complete({"total": total}) # completion written; COMMIT on exit
+
+What a crash, a stall or a redelivery can do to it::
+
+    killed before COMMIT     nothing committed: the next generation runs the body
+    taken over before BEGIN  the lock matches nothing: LeaseLost, rolled back
+    claim during the block   waits for the record's lock, then finds it completed
+    killed after COMMIT      the redelivery finds the job completed and answers
+                             with the kept outcome; the body does not run again
+
+The library's own completion after the body then only stores the result.
+Anything outside the transaction (HTTP calls, other databases) is not
+covered: fence those as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from sqlalchemy import exc
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from celery_leases.errors import LeaseConfigurationError, LeaseError, LeaseLost, StoreUnavailable
+from celery_leases.fencing.sql_once import (
+    OnceStore,
+    complete_in_transaction,
+    lock_in_transaction,
+)
+from celery_leases.lease import Lease
+from celery_leases.outcome import encode_value
+from celery_leases.run_steps import outcome_options
+from celery_leases.stores.base import Refusal
+
+__all__ = ["Bind", "ExactlyOnce", "exactly_once"]
+
+T = TypeVar("T")
+
+#: where the transaction runs: an engine (a connection is opened and closed),
+#: a connection or an ORM session, none of them inside a transaction
+Bind = Engine | Connection | Session
+
+_UNSET: Any = object()
+
+
+class ExactlyOnce:
+    """The open transaction of :func:`exactly_once`.
+
+    Attributes:
+        connection: the transaction's connection (the session's, for a session).
+        session: the session, when one was given.
+        lease: the run's lease.
+    """
+
+    def __init__(self, connection: Connection, session: Session | None, lease: Lease) -> None:
+        self.connection = connection
+        self.session = session
+        self.lease = lease
+        self._value: Any = _UNSET
+
+    def complete(self, value: T) -> T:
+        """Name the run's result; it is kept with the completion at the commit.
+
+        Return it from the task (``return tx.complete(value)``): a
+        redelivery after the commit answers with this value.
+
+        Returns:
+            ``value``.
+        """
+        self._value = value
+        return value
+
+    @property
+    def completing(self) -> bool:
+        """Whether :meth:`complete` was called."""
+        return self._value is not _UNSET
+
+
+@contextlib.contextmanager
+def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
+    """One transaction holding the task's writes and its fenced completion.
+
+    Call it in the body of a ``LeasedTask`` whose lease store is an
+    ``SqlStore``, with an engine, connection or session on that store's
+    database. Make the writes inside the block and call ``tx.complete(value)``;
+    leaving the block commits both, once. Keep the block short: the record
+    stays locked until the commit, and a renewal of this lease waits for it.
+
+    Args:
+        task: the running task (``self``).
+        bind: an ``Engine``, ``Connection`` or ``Session`` on the lease
+            store's database, not inside a transaction.
+
+    Yields:
+        The :class:`ExactlyOnce` transaction.
+
+    Raises:
+        LeaseLost: the lease is not current (lost locally, or taken over,
+            released or run out by the database's clock), or the database
+            failed before the commit (a lost connection, a timeout:
+            ``reason`` ``"unavailable"``); nothing was committed, and the run
+            ends fenced out and its message is published again.
+        LeaseConfigurationError: the lease store is not SQL, ``bind`` is on
+            another database, already in a transaction, or the block ended
+            without ``tx.complete()``; nothing was committed.
+        LeaseError: the run already completed in such a transaction.
+    """
+    lease: Lease = task.lease
+    store = _sql_store(lease)
+    if lease.completed_in_transaction:
+        raise LeaseError(
+            f"job {lease.job_id!r} (generation {lease.generation}) was already completed in "
+            "a transaction by this run; a run completes once",
+            job_id=lease.job_id,
+            generation=lease.generation,
+        )
+    lease.check()
+    with _opened(bind) as (connection, session, commit, rollback):
+        try:
+            _fenced(lease, lock_in_transaction, connection, store)
+            tx = ExactlyOnce(connection, session, lease)
+            yield tx
+            if not tx.completing:
+                raise LeaseConfigurationError(
+                    f"the exactly_once block of job {lease.job_id!r} ended without "
+                    "tx.complete(value); it was rolled back. Name the run's result inside "
+                    "the block: return tx.complete(value)",
+                    job_id=lease.job_id,
+                    generation=lease.generation,
+                )
+            if session is not None:
+                session.flush()
+            lease.check()
+            outcome = encode_value(tx._value, **outcome_options(task))
+            _fenced(lease, complete_in_transaction, connection, store, outcome)
+        except exc.OperationalError as error:
+            # a lost connection, a timeout, a lock not granted: nothing was
+            # committed, so the job runs again (a constraint or a bad
+            # statement is the task's own error and passes through)
+            _roll_back(rollback)
+            raise _unavailable(
+                lease,
+                f"the transaction of job {lease.job_id!r} (generation {lease.generation}) "
+                f"failed: {error.orig}; it was rolled back, nothing was written",
+            ) from error
+        except BaseException:
+            _roll_back(rollback)
+            raise
+        try:
+            commit()
+        except exc.OperationalError as error:
+            # the reply may be lost after the server committed: ask the record
+            _settle_commit(lease, error)
+    lease.finish()
+    lease.completed_in_transaction = True
+
+
+def _roll_back(rollback: Callable[[], None]) -> None:
+    # on a dead connection the rollback fails too; the error that broke the
+    # transaction is the one to raise, and the server rolls back on its own
+    with contextlib.suppress(exc.SQLAlchemyError):
+        rollback()
+
+
+def _sql_store(lease: Lease) -> OnceStore:
+    store: Any = lease.store
+    if not (
+        callable(getattr(store, "lock_in", None)) and callable(getattr(store, "complete_in", None))
+    ):
+        raise LeaseConfigurationError(
+            f"exactly_once needs an SQL lease store (SqlStore), not {type(store).__name__}: "
+            "the completion can only commit with your writes in the lease store's database",
+            job_id=lease.job_id,
+        )
+    return store  # type: ignore[no-any-return]
+
+
+def _fenced(
+    lease: Lease,
+    step: Callable[..., None],
+    connection: Connection,
+    store: OnceStore,
+    *outcome: bytes | None,
+) -> None:
+    """Run a statement of the lease; a refusal or a failure makes the lease lost."""
+    try:
+        step(connection, store, lease.job_id, lease.owner, lease.generation, *outcome)
+    except LeaseLost as lost:
+        lease.mark_lost(lost)
+        raise
+    except StoreUnavailable as error:
+        raise _unavailable(lease, str(error)) from error
+
+
+def _unavailable(lease: Lease, detail: str) -> LeaseLost:
+    """The lease reads as lost after a failed transaction, so the run is
+    fenced out and its message published again (the store stays the judge
+    of whether the job completed)."""
+    lost = LeaseLost(
+        detail, job_id=lease.job_id, owner=lease.owner, generation=lease.generation,
+        reason="unavailable",
+    )  # fmt: skip
+    lease.mark_lost(lost)
+    return lost
+
+
+def _settle_commit(lease: Lease, error: exc.DBAPIError) -> None:
+    """The COMMIT failed: judge by the record whether it was applied.
+
+    A release answers it (protocol duty 6): refused because this very run
+    completed the job, the commit went through; released, it did not. The
+    release waits for the record's lock if the transaction is still
+    committing on the server.
+
+    Raises:
+        LeaseLost: not committed, or unknown (reason ``"unavailable"``).
+    """
+    detail = (
+        f"the commit of job {lease.job_id!r} (generation {lease.generation}) failed: "
+        f"{getattr(error, 'orig', None) or error}"
+    )
+    try:
+        result = lease.store.release(lease.job_id, lease.owner, lease.generation)
+    except StoreUnavailable:
+        raise _unavailable(lease, f"{detail}; whether it committed is unknown") from error
+    if isinstance(result, Refusal) and lease.is_own_completion(result):
+        return
+    raise _unavailable(lease, f"{detail}; nothing was committed") from error
+
+
+_Opened = tuple[Connection, Session | None, Callable[[], None], Callable[[], None]]
+
+
+@contextlib.contextmanager
+def _opened(bind: Bind) -> Iterator[_Opened]:
+    """The connection of a new transaction on ``bind``, with its commit and rollback."""
+    if isinstance(bind, Session):
+        _not_in_transaction(bind.in_transaction(), "session")
+        bind.begin()
+        yield bind.connection(), bind, bind.commit, bind.rollback
+    elif isinstance(bind, Connection):
+        _not_in_transaction(bind.in_transaction(), "connection")
+        transaction = bind.begin()
+        yield bind, None, transaction.commit, transaction.rollback
+    elif isinstance(bind, Engine):
+        with bind.connect() as connection:
+            transaction = connection.begin()
+            yield connection, None, transaction.commit, transaction.rollback
+    else:
+        raise LeaseConfigurationError(
+            f"exactly_once needs a SQLAlchemy Engine, Connection or Session, not "
+            f"{type(bind).__name__}"
+        )
+
+
+def _not_in_transaction(inside: bool, what: str) -> None:
+    if inside:
+        raise LeaseConfigurationError(
+            f"exactly_once needs a {what} outside any transaction: commit or roll back "
+            "first. Its transaction is the one that completes the job, and it must not "
+            "have been open across the task's long work"
+        )

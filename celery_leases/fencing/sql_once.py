@@ -1,0 +1,196 @@
+"""The fenced completion as two statements of your own transaction.
+
+Used by :mod:`celery_leases.exactly_once`, which opens the transaction and
+knows the run; this module knows only SQL and the lease record. The first
+statement locks the lease record while it is current, the last one is the
+store's own fenced completion; both run on the caller's connection, so the
+completion commits with the caller's writes or not at all::
+
+    BEGIN
+      lock the record (owner, generation, held, lease_until > now)
+      ... the task's writes ...
+      complete (owner, generation, held) -> completed, outcome kept
+    COMMIT
+
+The lock makes a claim by another worker wait for the commit (it then finds
+the job completed) or, when the record was taken over before the lock, the
+lock matches nothing and the transaction writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+from sqlalchemy.engine import Connection
+
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseError,
+    LeaseLost,
+    StoreUnavailable,
+)
+from celery_leases.fencing.sql_transaction import _lease_lost
+from celery_leases.stores.base import CompleteResult, LeaseRecord, LeaseState, Refusal
+
+__all__ = ["OnceStore", "complete_in_transaction", "lock_in_transaction"]
+
+
+class OnceStore(Protocol):
+    """What a transaction that completes needs of the lease store: an ``SqlStore``."""
+
+    @property
+    def table(self) -> sa.Table: ...
+
+    @property
+    def dialect_name(self) -> str: ...
+
+    def lock_in(self, conn: Connection, job_id: str, owner: str, generation: int) -> bool: ...
+
+    def complete_in(
+        self, conn: Connection, job_id: str, owner: str, generation: int, outcome: bytes | None
+    ) -> CompleteResult: ...
+
+    def get(self, job_id: str) -> LeaseRecord | None: ...
+
+
+def check_same_dialect(conn: Connection, store: OnceStore) -> None:
+    """Raise LeaseConfigurationError if ``conn`` is not on the store's kind of database."""
+    if conn.dialect.name != store.dialect_name:
+        raise LeaseConfigurationError(
+            f"the transaction's connection is on {conn.dialect.name!r} but the lease store "
+            f"(table {store.table.name!r}) is on {store.dialect_name!r}: the completion can "
+            "only commit with your writes in the lease store's own database"
+        )
+
+
+def lock_in_transaction(
+    conn: Connection, store: OnceStore, job_id: str, owner: str, generation: int
+) -> None:
+    """Lock the lease record as the first statement of ``conn``'s transaction.
+
+    Raises:
+        LeaseLost: the lease is not current (superseded, released, completed
+            or run out by the database's clock); ``reason`` says which.
+        LeaseConfigurationError: ``conn`` is not on the lease store's
+            database (the table is missing there, or its record is not the
+            one the store holds).
+        StoreUnavailable: the statement failed.
+    """
+    check_same_dialect(conn, store)
+    try:
+        if store.lock_in(conn, job_id, owner, generation):
+            _check_in_transaction(conn)
+            return
+        lost = _lease_lost(conn, store.table, job_id, owner, generation)
+    except exc.DBAPIError as error:
+        raise _statement_error(error, store, "lock", job_id, owner, generation) from error
+    _check_same_record(store, lost, job_id, owner, generation)
+    raise lost
+
+
+def complete_in_transaction(
+    conn: Connection,
+    store: OnceStore,
+    job_id: str,
+    owner: str,
+    generation: int,
+    outcome: bytes | None,
+) -> None:
+    """The fenced completion as the last statement before the commit.
+
+    Raises:
+        LeaseLost: the store refused it (the record changed since the lock,
+            which the lock rules out unless it was released by an operator).
+        StoreUnavailable: the statement failed.
+    """
+    try:
+        result = store.complete_in(conn, job_id, owner, generation, outcome)
+    except exc.DBAPIError as error:
+        raise _statement_error(error, store, "complete", job_id, owner, generation) from error
+    if isinstance(result, Refusal):
+        raise result.error("complete in the task's transaction")
+
+
+def _check_in_transaction(conn: Connection) -> None:
+    """Raise LeaseConfigurationError if the driver committed the lock at once
+    (an autocommit connection): the writes would then commit one by one."""
+    raw = conn.connection.dbapi_connection
+    in_transaction = getattr(raw, "in_transaction", None)  # sqlite3
+    if not isinstance(in_transaction, bool):
+        status = getattr(getattr(raw, "info", None), "transaction_status", None)  # psycopg 3
+        get_autocommit = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient
+        if status is not None:
+            in_transaction = int(status) != 0  # 0 is IDLE: no transaction open
+        elif callable(get_autocommit):
+            in_transaction = not get_autocommit()
+        else:
+            in_transaction = getattr(raw, "autocommit", False) is not True
+    if not in_transaction:
+        raise LeaseConfigurationError(
+            "the transaction's connection commits each statement at once (autocommit), so "
+            "your writes and the completion would not commit together; use a connection "
+            "without isolation_level='AUTOCOMMIT'"
+        )
+
+
+def _check_same_record(
+    store: OnceStore, lost: LeaseLost, job_id: str, owner: str, generation: int
+) -> None:
+    """A lock that matched nothing where the store says this lease is current
+    ran on another database that merely has a table of that name."""
+    try:
+        record = store.get(job_id)
+    except StoreUnavailable:
+        return  # cannot tell: the lease is refused either way
+    if record is None or record.state is not LeaseState.HELD:
+        return
+    if (record.owner, record.generation) == (owner, generation) and lost.reason != "expired":
+        raise LeaseConfigurationError(
+            f"the transaction's connection does not reach the lease store's record of job "
+            f"{job_id!r}: its table {store.table.name!r} is in another database. The "
+            "completion commits with your writes only in the lease store's own database; "
+            "pass a connection or session on the store's database",
+            job_id=job_id,
+            owner=owner,
+            generation=generation,
+        )
+
+
+def _statement_error(
+    error: exc.DBAPIError,
+    store: OnceStore,
+    step: str,
+    job_id: str,
+    owner: str,
+    generation: int,
+) -> LeaseError:
+    detail = getattr(error, "orig", None) or error
+    if _missing_table(error):
+        return LeaseConfigurationError(
+            f"the lease table {store.table.name!r} is not in the database of the "
+            f"transaction's connection ({detail}): the completion commits with your writes "
+            "only in the lease store's own database",
+            job_id=job_id,
+            owner=owner,
+            generation=generation,
+        )
+    return StoreUnavailable(
+        f"the {step} of job {job_id!r} (generation {generation}) in the task's transaction "
+        f"failed: {detail}; the transaction is rolled back, nothing was written",
+        job_id=job_id,
+        owner=owner,
+        generation=generation,
+    )
+
+
+def _missing_table(error: exc.DBAPIError) -> bool:
+    orig = error.orig
+    # PostgreSQL's undefined_table, MySQL's ER_NO_SUCH_TABLE, SQLite's message
+    if getattr(orig, "sqlstate", None) == "42P01":
+        return True
+    args = getattr(orig, "args", ())
+    if args and args[0] == 1146:
+        return True
+    return "no such table" in str(orig)

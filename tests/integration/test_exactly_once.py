@@ -1,0 +1,390 @@
+"""``exactly_once``: a task's writes and its completion in one transaction.
+
+Real Celery workers in this process, a real Redis broker, and the lease
+store in PostgreSQL or SQLite; the task writes to its own table in the same
+database through its own engine (a connection or an ORM session).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from celery_leases import AlreadyCompleted, LeaseConfigurationError, LeasedTask, LeaseState
+from celery_leases.exactly_once import exactly_once
+from celery_leases.outcome import decode
+from celery_leases.task import store_for
+from tests.integration.conftest import WAIT, Recorder, worker
+from tests.servers import PostgresServer
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of the database that holds both the lease table and the task's."""
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        return server.url
+    return f"sqlite:///{tmp_path / 'app.db'}"
+
+
+def engine_for(url: str, **options: Any) -> sa.Engine:
+    parsed = sa.make_url(url)
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return sa.create_engine(parsed, **options)
+
+
+@pytest.fixture
+def engine(database: str) -> Iterator[sa.Engine]:
+    engine = engine_for(database)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def effects(engine: sa.Engine, unique: str) -> sa.Table:
+    table = sa.Table(
+        f"effects_{unique}",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(64), nullable=False),
+        sa.Column("generation", sa.BigInteger, nullable=False),
+    )
+    table.create(engine)
+    return table
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Celery], database: str, unique: str) -> Celery:
+    return make_app(database, leases_store_options={"table_name": f"leases_{unique}"}, leases_ttl=5)
+
+
+def rows_of(engine: sa.Engine, table: sa.Table, job_id: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(sa.func.count()).select_from(table).where(table.c.job_id == job_id)
+            ).scalar_one()
+        )
+
+
+def insert(conn: sa.Connection, table: sa.Table, lease: Any) -> None:
+    conn.execute(sa.insert(table).values(job_id=lease.job_id, generation=lease.generation))
+
+
+def test_writes_and_completion_commit_together(
+    app: Celery, engine: sa.Engine, effects: sa.Table
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask, amount: int) -> dict[str, int]:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            return tx.complete({"amount": amount, "generation": self.lease.generation})
+
+    with worker(app):
+        result = bill.delay(42)
+        value = result.get(timeout=WAIT)
+    assert rows_of(engine, effects, result.id) == 1
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    assert value == {"amount": 42, "generation": record.generation}
+    assert record.outcome is not None
+    assert decode(record.outcome, serializer="json") == ("ok", value)
+
+
+def test_an_orm_session_commits_its_objects_with_the_completion(
+    app: Celery, engine: sa.Engine, unique: str
+) -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    class Invoice(Base):
+        __tablename__ = f"invoices_{unique}"
+        id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+        job_id: Mapped[str] = mapped_column(sa.String(64))
+
+    Invoice.__table__.create(engine)  # type: ignore[attr-defined]
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> str:
+        with Session(engine) as session, exactly_once(self, session) as tx:
+            session.add(Invoice(job_id=self.lease.job_id))
+            return tx.complete("billed")
+
+    with worker(app):
+        result = bill.delay()
+        assert result.get(timeout=WAIT) == "billed"
+    with Session(engine) as session:
+        assert (
+            session.scalar(
+                sa.select(sa.func.count()).select_from(Invoice).where(Invoice.job_id == result.id)
+            )
+            == 1
+        )
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+
+
+def test_a_superseded_holder_is_refused_and_the_next_generation_writes_once(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    """The first run's lease is taken over before its transaction: its
+    transaction is refused and rolled back; the copy published again runs
+    once the usurper's lease runs out, and commits the only row."""
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
+    def bill(self: LeasedTask) -> int:
+        lease = self.lease
+        if not recorder.of("taken-over"):
+            store = store_for(app)
+            store.force_release(lease.job_id, by="test", reason="take over")
+            taken = store.claim(lease.job_id, "usurper", 1.0, task_name="other")
+            recorder.add("taken-over", taken)
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, lease)
+            recorder.add("committed", lease.generation)
+            return tx.complete(lease.generation)
+
+    with worker(app):
+        result = bill.delay()
+        generation = result.get(timeout=WAIT)
+    assert rows_of(engine, effects, result.id) == 1
+    assert recorder.of("committed") == [generation]  # the stale run never reached its commit
+    [fenced] = recorder.of("lease_fenced_out")
+    assert fenced["reason"] == "superseded"
+    with engine.connect() as conn:
+        [written] = conn.execute(sa.select(effects.c.generation)).scalars().all()
+    assert written == generation > recorder.of("taken-over")[0].generation
+
+
+def test_a_claim_during_the_transaction_waits_and_finds_the_job_completed(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> str:
+        lease = self.lease
+        store = store_for(app)
+
+        def claim() -> None:
+            recorder.add("claim", store.claim(lease.job_id, "other", 5.0, task_name="other"))
+
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, lease)
+            claimer = threading.Thread(target=claim)
+            claimer.start()
+            claimer.join(0.5)
+            recorder.add("claim answered inside", claimer.is_alive() is False)
+            value = tx.complete("done")
+        claimer.join(WAIT)
+        return value
+
+    with worker(app):
+        bill.delay().get(timeout=WAIT)
+    assert recorder.of("claim answered inside") == [False]
+    [answer] = recorder.of("claim")
+    assert isinstance(answer, AlreadyCompleted)
+
+
+def test_a_block_without_complete_rolls_back(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> None:
+        try:
+            with exactly_once(self, engine) as tx:
+                insert(tx.connection, effects, self.lease)
+        except LeaseConfigurationError as error:
+            recorder.add("error", str(error))
+
+    with worker(app):
+        result = bill.delay()
+        result.get(timeout=WAIT)
+    assert "without tx.complete" in recorder.of("error")[0]
+    assert rows_of(engine, effects, result.id) == 0
+
+
+def errors_of(
+    app: Celery, recorder: Recorder, make_bind: Callable[[], Any], use: Callable[[Any], Any]
+) -> str:
+    """Run a task whose exactly_once block is given ``make_bind()``; the
+    LeaseConfigurationError it raised."""
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> None:
+        bind = make_bind()
+        try:
+            with exactly_once(self, use(bind)) as tx:
+                tx.complete(None)
+        except LeaseConfigurationError as error:
+            recorder.add("error", str(error))
+        finally:
+            if isinstance(bind, sa.Connection):
+                bind.close()
+
+    with worker(app):
+        bill.delay().get(timeout=WAIT)
+    [error] = recorder.of("error")
+    return str(error)
+
+
+def test_a_connection_inside_a_transaction_is_refused(
+    app: Celery, engine: sa.Engine, recorder: Recorder
+) -> None:
+    def inside(conn: sa.Connection) -> sa.Connection:
+        conn.begin()
+        return conn
+
+    error = errors_of(app, recorder, engine.connect, inside)
+    assert "outside any transaction" in error
+
+
+def test_an_autocommit_connection_is_refused(
+    app: Celery, database: str, recorder: Recorder
+) -> None:
+    autocommit = engine_for(database, isolation_level="AUTOCOMMIT")
+    try:
+        error = errors_of(app, recorder, autocommit.connect, lambda conn: conn)
+    finally:
+        autocommit.dispose()
+    assert "autocommit" in error
+
+
+def test_another_database_with_a_lease_table_is_refused(
+    app: Celery, tmp_path: Path, unique: str, recorder: Recorder
+) -> None:
+    """A copy of the lease table elsewhere must not pass for the store's."""
+    other = sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    store = store_for(app)
+    if store.dialect_name != "sqlite":
+        pytest.skip("a second SQLite file stands for another database")
+    store.table.create(other)
+    try:
+        error = errors_of(app, recorder, lambda: other, lambda engine: engine)
+    finally:
+        other.dispose()
+    assert "another database" in error
+
+
+def test_another_database_without_the_lease_table_is_refused(
+    app: Celery, tmp_path: Path, recorder: Recorder
+) -> None:
+    other = sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    try:
+        error = errors_of(app, recorder, lambda: other, lambda engine: engine)
+    finally:
+        other.dispose()
+    assert "lease store" in error
+
+
+def test_a_store_outside_sql_is_refused(
+    make_app: Callable[..., Celery], engine: sa.Engine, recorder: Recorder
+) -> None:
+    memory_app = make_app("memory://")
+    error = errors_of(memory_app, recorder, lambda: engine, lambda bind: bind)
+    assert "needs an SQL lease store" in error
+
+
+def fail_transiently(conn: sa.Connection) -> None:
+    """A statement that fails as a lost connection or a timeout would
+    (``OperationalError``), in either database."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SET LOCAL statement_timeout = 1"))
+        conn.execute(sa.text("SELECT pg_sleep(1)"))
+    else:
+        conn.execute(sa.text("SELECT * FROM a_table_that_is_not_there"))
+
+
+def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
+    def bill(self: LeasedTask) -> int:
+        lease = self.lease
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, lease)
+            if not recorder.of("failed"):
+                recorder.add("failed", lease.generation)
+                fail_transiently(tx.connection)
+            return tx.complete(lease.generation)
+
+    with worker(app):
+        result = bill.delay()
+        generation = result.get(timeout=WAIT)
+    assert generation > recorder.of("failed")[0]
+    assert rows_of(engine, effects, result.id) == 1
+    assert [e["reason"] for e in recorder.of("lease_fenced_out")] == ["unavailable"]
+
+
+def test_a_constraint_violation_is_the_task_s_own_failure(
+    app: Celery, engine: sa.Engine, effects: sa.Table
+) -> None:
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> None:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            twice = sa.insert(effects).values(id=-1, job_id="x", generation=1)
+            tx.connection.execute(twice)
+            tx.connection.execute(twice)
+            tx.complete(None)
+
+    with worker(app):
+        result = bill.delay()
+        # Celery rebuilds an exception it cannot import by its name
+        with pytest.raises(Exception, match="IntegrityError"):
+            result.get(timeout=WAIT, propagate=True)
+    assert rows_of(engine, effects, result.id) == 0
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.RELEASED
+
+
+def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
+    app: Celery, database: str, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    """The server ends the session just before the COMMIT: nothing was
+    committed, the record still names this run as holder, so the run is
+    fenced out and the job runs again; its row is written once."""
+    if not database.startswith("postgresql"):
+        pytest.skip("ends the server's session with pg_terminate_backend")
+
+    def end_the_session(conn: sa.Connection) -> None:
+        if recorder.of("ended"):
+            return
+        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        recorder.add("ended", pid)
+        with engine.connect() as other:
+            other.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+            other.commit()
+
+    sa.event.listen(engine, "commit", end_the_session)
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
+    def bill(self: LeasedTask) -> int:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            return tx.complete(self.lease.generation)
+
+    try:
+        with worker(app):
+            result = bill.delay()
+            generation = result.get(timeout=WAIT)
+    finally:
+        sa.event.remove(engine, "commit", end_the_session)
+    assert recorder.of("ended")
+    assert rows_of(engine, effects, result.id) == 1
+    [fenced] = recorder.of("lease_fenced_out")
+    assert fenced["reason"] == "unavailable"
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
