@@ -10,9 +10,12 @@
 
 Each takes the lease (or any ``FencingToken``) and ``on_repeat`` like the
 SQLAlchemy forms, and returns the same :class:`~celery_leases.fencing.FenceResult`.
-Writes made in one ``transaction.atomic()`` with the completion of the
-lease (exactly-once through the ORM) are not part of this module yet; the
-fence-table form is the one to build it on.
+Writes that commit with the lease's completion (exactly once, as
+:mod:`celery_leases.exactly_once` does for SQLAlchemy) are not part of this
+module yet: an ORM form would run the two statements of
+:mod:`celery_leases.fencing.sql_once` (lock the lease record, the fenced
+completion) on Django's connection inside ``transaction.atomic()``; the
+migrated lease table is already the one those statements expect.
 """
 
 from __future__ import annotations
