@@ -141,3 +141,23 @@ def test_celery_leases_ls_opens_the_django_store(django_store: LeaseStore) -> No
     )
     assert listed.returncode == 0, listed.stderr
     assert [r["job_id"] for r in json.loads(listed.stdout)["records"]] == ["job-listed"]
+
+
+def test_the_admin_does_not_release_a_completed_job(django_store: LeaseStore) -> None:
+    claimed = django_store.claim("job-done", "owner", 30)
+    assert isinstance(claimed, Acquired)
+    django_store.complete("job-done", "owner", claimed.generation)
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("ops", "o@example.com", "pw"))
+    page = client.post(
+        "/admin/celery_leases/lease/",
+        {
+            "action": "force_release",
+            "_selected_action": ["job-done"],
+            "apply": "1",
+            "reason": "by mistake",
+        },
+        follow=True,
+    )
+    assert "a completed job is not released" in page.content.decode()
+    assert Lease.objects.get(pk="job-done").state == "completed"
