@@ -36,7 +36,7 @@ POSTGRES_TESTS = [
 
 def run_django_tests(tmp_path: Path, tests: list[Path], **env: str) -> str:
     completed = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(INI), "-q", *map(str, tests)],
+        [sys.executable, "-m", "pytest", "-c", str(INI), "-v", *map(str, tests)],
         cwd=SHOP,
         env={
             **os.environ,
@@ -54,7 +54,12 @@ def run_django_tests(tmp_path: Path, tests: list[Path], **env: str) -> str:
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output
     summary = output.strip().splitlines()[-1]
-    assert re.search(r"\b\d+ passed\b", summary), output
+    passed = re.search(r"\b(\d+) passed\b", summary)
+    assert passed, output
+    # every test module given ran: none was left out of collection
+    modules = [m for t in tests for m in ([t] if t.suffix == ".py" else t.glob("test_*.py"))]
+    for module in modules:
+        assert f"{module.name}::" in output, f"{module.name} did not run:\n{output}"
     assert not re.search(r"skipped|xfailed|error", summary), output
     return summary
 
