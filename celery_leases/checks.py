@@ -41,6 +41,9 @@ class Check:
 def run_checks(app: Any) -> list[Check]:
     """Check ``app``'s lease settings, tasks and store; never raises for a finding."""
     report: list[Check] = []
+    # the task modules a worker imports at start (imports, include, a Django
+    # project's autodiscovered tasks.py), so their leased tasks are checked
+    app.loader.import_default_modules()
     forget_runtime(app)  # read the configuration as it is now
     try:
         settings = settings_for(app)

@@ -41,7 +41,7 @@ from celery_leases.errors import (
 from celery_leases.purge import purge_records
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import settings_for
-from celery_leases.stores import LeaseStore, open_store
+from celery_leases.stores import LeaseStore, open_store, scheme_is_known
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 
 __all__ = [
@@ -114,6 +114,10 @@ def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseS
     with _errors(ctx, str(app.conf.get("leases_store") or "")):
         settings = settings_for(app)
     url = settings.store_url
+    if not scheme_is_known(url):
+        # a scheme an integration registers when its framework starts
+        # (django://): prepare the app as a worker would, which starts it
+        app.loader.import_default_modules()
     options = dict(settings.store_options)
     if url.split("://", 1)[0].lower() in _SQL_SCHEMES:
         options["create_table"] = create_table

@@ -25,6 +25,12 @@ asks for one of its fixtures:
     a Celery worker in a thread of the test process
     (:func:`celery.contrib.testing.worker.start_worker`), started on
     ``leases_app`` and stopped after the test.
+
+Under pytest-django, a test with ``leases_worker`` needs
+``@pytest.mark.django_db(transaction=True)`` (or ``transactional_db``): a
+plain ``django_db`` test runs inside one open transaction, which the
+worker's own database connections can neither see into nor write past
+(SQLite answers "database table is locked"). The fixture says so at once.
 """
 
 from __future__ import annotations
@@ -264,12 +270,37 @@ def leases_worker_parameters() -> Mapping[str, Any]:
     return {"pool": "solo", "concurrency": 1}
 
 
+def _in_django_test_transaction(request: pytest.FixtureRequest) -> bool:
+    """Whether pytest-django runs this test inside a transaction it rolls back."""
+    if not request.config.pluginmanager.hasplugin("django"):
+        return False  # a fixture of one's own may be called "db"
+    names = set(request.fixturenames)
+    if names & {"transactional_db", "live_server"}:
+        return False
+    marker = request.node.get_closest_marker("django_db")
+    if marker is None:
+        return "db" in names
+    transaction = marker.kwargs.get("transaction", marker.args[0] if marker.args else False)
+    return not transaction
+
+
 @pytest.fixture
 def leases_worker(
-    leases_app: Any, lease_store: LeaseStore, leases_worker_parameters: Mapping[str, Any]
+    request: pytest.FixtureRequest,
+    leases_app: Any,
+    lease_store: LeaseStore,
+    leases_worker_parameters: Mapping[str, Any],
 ) -> Iterator[Any]:
     """A worker consuming ``leases_app``'s default queue in a thread of this process."""
     from celery.contrib.testing.worker import start_worker
+
+    if _in_django_test_transaction(request):
+        pytest.fail(
+            "leases_worker runs tasks on their own database connections, which cannot see "
+            "or write past the transaction pytest-django wraps this test in; use "
+            "@pytest.mark.django_db(transaction=True) (or the transactional_db fixture)",
+            pytrace=False,
+        )
 
     parameters = {"perform_ping_check": False, "shutdown_timeout": 30.0}
     parameters.update(leases_worker_parameters)

@@ -37,23 +37,47 @@ SETTINGS: frozenset[str] = frozenset(
 )
 
 
-def _closest(name: str, known: Iterable[str]) -> str:
+def _closest(name: str, known: Iterable[str], prefix: str = "", upper: bool = False) -> str:
     matches = difflib.get_close_matches(name.lower(), sorted(known), n=1, cutoff=0.6)
-    return f"; did you mean {matches[0]!r}?" if matches else ""
+    if not matches:
+        return ""
+    match = prefix + matches[0]
+    return f"; did you mean {(match.upper() if upper else match)!r}?"
 
 
 def _looks_like_ours(name: str) -> bool:
     return name.lower().startswith(("lease_", "leases_"))
 
 
+def _setting_name(key: str, prefix: str) -> tuple[str, str]:
+    """The ``leases_*`` name a key of ``app.conf`` stands for, and the namespace before it.
+
+    With ``config_from_object(..., namespace="CELERY")`` Celery keeps Django's
+    ``CELERY_LEASES_TTL`` as it is and reads it for ``leases_ttl``.
+    """
+    if prefix and key.upper().startswith(prefix.upper()) and key.upper() != prefix.upper():
+        return key[len(prefix) :].lower(), key[: len(prefix)]
+    return key, ""
+
+
 def misspelled_settings(conf: Any) -> list[str]:
-    """Warnings for ``lease``-prefixed keys of ``conf`` that no setting reads."""
+    """Warnings for ``lease``-prefixed keys of ``conf`` that no setting reads.
+
+    Keys under the app's namespace (``CELERY_LEASES_TLL`` with
+    ``namespace="CELERY"``) are judged by the name after it, and the
+    suggestion keeps their form (``CELERY_LEASES_TTL``).
+    """
+    keys = sorted({str(k) for k in conf.keys()})  # noqa: SIM118 - Celery's conf is no dict
+    # read after the keys: until then app.conf is a stand-in that answers
+    # every attribute as a setting (None for "prefix")
+    prefix = str(getattr(conf, "prefix", None) or "")
     found = []
-    for key in sorted({str(k) for k in conf.keys()}):  # noqa: SIM118 - Celery's conf is no dict
-        if _looks_like_ours(key) and key not in SETTINGS:
+    for key in keys:
+        name, namespace = _setting_name(key, prefix)
+        if _looks_like_ours(name) and name not in SETTINGS:
             found.append(
                 f"the setting {key!r} is not a celery-leases setting and is ignored"
-                f"{_closest(key, SETTINGS)}"
+                f"{_closest(name, SETTINGS, namespace, upper=key.isupper())}"
             )
     return found
 

@@ -20,6 +20,10 @@ from tests.broker_servers import RabbitServer, SqsServer
 from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
 from tests.store_clock import StoreClock
 
+#: the Django tests need Django configured, once per process: they run under
+#: pytest-django in a process of their own (tests/integration/test_django.py)
+collect_ignore = ["django_app"]
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 STORE_KINDS = ["memory", "redis", "postgres", "sqlite"]

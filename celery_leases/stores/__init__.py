@@ -6,17 +6,51 @@ says which extra to install.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.base import LeaseStore
 
-__all__ = ["LeaseStore", "open_store"]
+__all__ = ["LeaseStore", "StoreOpener", "open_store", "register_scheme", "scheme_is_known"]
+
+#: opens a store from its URL and the ``open_store`` options
+StoreOpener = Callable[..., LeaseStore]
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
+
+
+#: schemes added by integrations (``django://`` by celery_leases.contrib.django)
+_REGISTERED: dict[str, StoreOpener] = {}
+
+
+def register_scheme(scheme: str, opener: StoreOpener) -> None:
+    """Let :func:`open_store` open ``scheme://`` URLs with ``opener(url, **options)``.
+
+    For framework integrations, which live above the core: the core never
+    imports them, they register here when their framework starts them.
+    Registering a scheme again replaces its opener; a built-in scheme cannot
+    be replaced.
+
+    Raises:
+        LeaseConfigurationError: ``scheme`` is a built-in one or not a plain name.
+    """
+    builtin = {"memory", *_REDIS_SCHEMES, *_CLUSTER_SCHEMES, *_SQL_SCHEMES}
+    if not isinstance(scheme, str) or not scheme.isidentifier() or scheme.lower() in builtin:
+        raise LeaseConfigurationError(
+            f"cannot register the lease store scheme {scheme!r}: it must be a plain name "
+            f"and not one of {sorted(builtin)}"
+        )
+    _REGISTERED[scheme.lower()] = opener
+
+
+def scheme_is_known(url: str) -> bool:
+    """Whether :func:`open_store` can open ``url``'s scheme now (built in or registered)."""
+    scheme = url.split("://", 1)[0].lower()
+    return scheme in {"memory", *_REDIS_SCHEMES, *_CLUSTER_SCHEMES, *_SQL_SCHEMES, *_REGISTERED}
 
 
 def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:
@@ -37,7 +71,9 @@ def open_store(url: str, **options: Any) -> LeaseStore:
             ``master_name=`` option) for Redis behind Sentinel;
             ``redis+cluster://host:port`` for a Redis Cluster;
             ``postgresql+psycopg://`` or ``sqlite:///path`` for SQL;
-            ``memory://`` for the in-process testing store.
+            ``memory://`` for the in-process testing store;
+            ``django://alias`` with ``celery_leases.contrib.django``
+            installed, or any scheme given to :func:`register_scheme`.
         **options: passed to the store's ``from_url`` (for example
             ``prefix=`` for Redis, ``table_name=`` for SQL).
 
@@ -95,8 +131,17 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
                 "postgres" if scheme.startswith("postgresql") else "sqlalchemy", exc
             ) from exc
         return SqlStore.from_url(url, **options)
+    if scheme in _REGISTERED:
+        return _REGISTERED[scheme](url, **options)
+    if scheme == "django":
+        raise LeaseConfigurationError(
+            f"the lease store {mask(url)!r} needs 'celery_leases.contrib.django' in "
+            "INSTALLED_APPS and Django set up (django.setup(), which the worker of a "
+            "Django project does at start)"
+        )
     raise LeaseConfigurationError(
         f"unknown lease store scheme {scheme!r} in {mask(url)!r}; use one of "
         "redis://, rediss://, unix://, sentinel://, redis+cluster://, "
         "postgresql+psycopg://, sqlite:///, memory://"
+        + "".join(f", {name}://" for name in sorted(_REGISTERED))
     )

@@ -124,7 +124,7 @@ def test_every_user_extra_is_tested() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    tested = {"redis", "sqlalchemy", "postgres", "http", "metrics", "flower"}
+    tested = {"redis", "sqlalchemy", "postgres", "http", "metrics", "flower", "django"}
     assert set(extras) - DEVELOPER_EXTRAS == tested
 
 
@@ -233,3 +233,41 @@ def test_flower_extra_shows_lease_attempts(venv: Venv) -> None:
         """,
     )
     assert "installed True" in out
+
+
+@pytest.mark.parametrize("venv", ["django"], indirect=True)
+def test_django_extra_migrates_and_opens_a_django_store(venv: Venv) -> None:
+    out = venv.run(
+        "probe.py",
+        """
+        import sys
+
+        import django
+        from django.conf import settings
+        from django.core.management import call_command
+        from django.template.loader import get_template
+
+        settings.configure(
+            INSTALLED_APPS=[
+                "django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes",
+                "django.contrib.sessions", "django.contrib.messages",
+                "celery_leases.contrib.django",
+            ],
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": sys.argv[1]}},
+            TEMPLATES=[{"BACKEND": "django.template.backends.django.DjangoTemplates",
+                        "APP_DIRS": True}],
+        )
+        django.setup()
+        call_command("migrate", verbosity=0)
+        from celery_leases import open_store
+        from celery_leases.contrib.django.models import Lease
+
+        store = open_store("django://default")
+        claim = store.claim("extra-job", "probe-owner", 30)
+        store.close()
+        get_template("admin/celery_leases/lease/force_release.html")
+        print("lease", Lease.objects.get(pk="extra-job").generation == claim.generation)
+        """,
+        str(venv.folder / "db.sqlite3"),
+    )
+    assert "lease True" in out, out

@@ -18,6 +18,8 @@ PAGES = [*ROOT.joinpath("docs").rglob("*.md"), ROOT / "README.md"]
 def _exported_by_a_module() -> dict[str, str]:
     found: dict[str, str] = {}
     for info in pkgutil.walk_packages(celery_leases.__path__, "celery_leases."):
+        if info.name.startswith("celery_leases.contrib."):
+            continue  # framework integrations import only inside their framework
         module = importlib.import_module(info.name)
         for name in getattr(module, "__all__", ()):
             found.setdefault(name, info.name)

@@ -63,3 +63,34 @@ def test_url_errors_never_show_the_password(url: str) -> None:
         open_store(url)
     assert "Pa55-secret" not in str(info.value)
     assert "***" in str(info.value)
+
+
+def test_a_registered_scheme_opens_with_its_opener(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_leases import stores
+    from celery_leases.stores import register_scheme, scheme_is_known
+
+    monkeypatch.setattr(stores, "_REGISTERED", {})
+    opened: list[tuple[str, dict[str, object]]] = []
+
+    def opener(url: str, **options: object) -> MemoryStore:
+        opened.append((url, options))
+        return MemoryStore()
+
+    assert not scheme_is_known("plugged://x")
+    register_scheme("plugged", opener)
+    assert scheme_is_known("PLUGGED://x")
+    assert isinstance(open_store("plugged://x", table_name="t"), MemoryStore)
+    assert opened == [("plugged://x", {"table_name": "t"})]
+
+
+@pytest.mark.parametrize("scheme", ["redis", "sqlite", "memory", "not a name"])
+def test_a_builtin_scheme_cannot_be_registered(scheme: str) -> None:
+    from celery_leases.stores import register_scheme
+
+    with pytest.raises(LeaseConfigurationError, match="cannot register"):
+        register_scheme(scheme, MemoryStore)
+
+
+def test_a_django_url_without_the_django_app_says_what_to_add() -> None:
+    with pytest.raises(LeaseConfigurationError, match=r"celery_leases\.contrib\.django"):
+        open_store("django://default")

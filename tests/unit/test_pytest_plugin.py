@@ -111,3 +111,17 @@ def test_steal_on_a_real_store_fences_out_a_holder_that_keeps_renewing(
     record = store.get("job")
     assert record is not None
     assert record.owner == stolen[0].owner
+
+
+@pytest.fixture
+def db() -> str:
+    """A fixture of one's own that happens to share pytest-django's name."""
+    return "mine"
+
+
+def test_leases_worker_takes_a_db_fixture_of_ones_own_without_pytest_django(
+    request: pytest.FixtureRequest, db: str
+) -> None:
+    from celery_leases.pytest_plugin import _in_django_test_transaction
+
+    assert not _in_django_test_transaction(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +128,21 @@ def test_check_reports_an_error_and_the_warnings_at_once(app: Celery) -> None:
     details = {(c.status, c.detail.split(":")[0]) for c in report}
     assert any(c.status == "error" and "acks_late=False" in c.detail for c in report), details
     assert any(c.status == "warning" and "visibility_timeout (10 s)" in c.detail for c in report)
+
+
+def test_a_setting_under_the_apps_namespace_is_named_in_its_own_spelling() -> None:
+    # as a Django project configures Celery: config_from_object(..., namespace="CELERY")
+    settings = types.ModuleType("django_settings")
+    settings.CELERY_LEASES_STORE = "memory://"  # type: ignore[attr-defined]
+    settings.CELERY_LEASES_TLL = 5  # type: ignore[attr-defined]
+    settings.CELERY_leases_renew_intreval = 1  # type: ignore[attr-defined]
+    settings.CELERY_BROKER_URL = "memory://"  # type: ignore[attr-defined]
+    app = Celery("namespaced", set_as_current=False)
+    app.config_from_object(settings, namespace="CELERY")
+    assert misspelled_settings(app.conf) == [
+        "the setting 'CELERY_LEASES_TLL' is not a celery-leases setting and is ignored; "
+        "did you mean 'CELERY_LEASES_TTL'?",
+        "the setting 'CELERY_leases_renew_intreval' is not a celery-leases setting and is "
+        "ignored; did you mean 'CELERY_leases_renew_interval'?",
+    ]
+    app.close()

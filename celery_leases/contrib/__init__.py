@@ -1,0 +1,1 @@
+"""Integrations with frameworks; each depends on the core, never the other way."""

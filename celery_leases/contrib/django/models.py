@@ -1,0 +1,86 @@
+"""The lease table and the fence table as Django models.
+
+Both map onto the tables the SQL store and :mod:`celery_leases.fencing.sql`
+use (``docs/sql.md``): the migration creates them with the very DDL those
+modules emit, so a ``django://`` store, a ``sqlite:///`` or
+``postgresql://`` store on the same database and the ORM read the same rows.
+Times of the lease table are integer milliseconds on the database's clock.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models.functions import Now
+
+from celery_leases.stores.base import LeaseRecord, LeaseState
+
+__all__ = ["Fence", "Lease"]
+
+
+class Lease(models.Model):
+    """One job's lease record (table ``celery_leases``); written only by the store."""
+
+    job_id = models.CharField(max_length=255, primary_key=True)
+    owner = models.CharField(max_length=255, db_default="")
+    generation = models.BigIntegerField()
+    lease_until = models.BigIntegerField()
+    state = models.CharField(
+        max_length=16, choices=[(state.value, state.value) for state in LeaseState]
+    )
+    task_name = models.CharField(max_length=255, db_default="")
+    claimed_at = models.BigIntegerField(null=True)
+    renewed_at = models.BigIntegerField(null=True)
+    completed_at = models.BigIntegerField(null=True)
+    renew_count = models.IntegerField(db_default=0)
+    takeovers = models.IntegerField(db_default=0)
+    send_id = models.CharField(max_length=255, db_default="")
+    outcome = models.BinaryField(null=True)
+    released_at = models.BigIntegerField(null=True)
+    released_by = models.CharField(max_length=255, db_default="")
+    release_reason = models.TextField(db_default="")
+
+    class Meta:
+        db_table = "celery_leases"
+        verbose_name = "lease"
+        # the index ix_celery_leases_state_completed_at is made by the
+        # migration: its name is longer than Django allows a model's index
+
+    def __str__(self) -> str:
+        return f"{self.job_id} ({self.state}, generation {self.generation})"
+
+    def record(self) -> LeaseRecord:
+        """This row as the store's :class:`~celery_leases.stores.base.LeaseRecord`."""
+        return LeaseRecord(
+            job_id=self.job_id,
+            owner=self.owner,
+            generation=self.generation,
+            lease_until_ms=self.lease_until,
+            state=LeaseState(self.state),
+            task_name=self.task_name,
+            claimed_at_ms=self.claimed_at,
+            renewed_at_ms=self.renewed_at,
+            completed_at_ms=self.completed_at,
+            renew_count=self.renew_count,
+            takeovers=self.takeovers,
+            send_id=self.send_id,
+            outcome=None if self.outcome is None else bytes(self.outcome),
+            released_at_ms=self.released_at,
+            released_by=self.released_by,
+            release_reason=self.release_reason,
+        )
+
+
+class Fence(models.Model):
+    """The newest generation accepted per fenced resource (table ``celery_leases_fences``)."""
+
+    resource = models.CharField(max_length=255, primary_key=True)
+    job_id = models.CharField(max_length=255)
+    generation = models.BigIntegerField()
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "celery_leases_fences"
+        verbose_name = "fence"
+
+    def __str__(self) -> str:
+        return f"{self.resource}: job {self.job_id}, generation {self.generation}"

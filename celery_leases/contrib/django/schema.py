@@ -1,0 +1,62 @@
+"""The DDL of the lease and fence tables, as the SQL store and the SQL fences emit it.
+
+The migration runs this text instead of Django's own ``CREATE TABLE``, so a
+table made by ``manage.py migrate`` is the table ``SqlStore`` would make
+(column types, defaults, the index and its name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from celery_leases.errors import LeaseConfigurationError
+from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
+from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
+
+__all__ = ["create_statements", "drop_statements"]
+
+_DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect}
+
+
+def _dialect(vendor: str) -> Any:
+    if vendor not in _DIALECTS:
+        raise LeaseConfigurationError(
+            f"the celery_leases tables need PostgreSQL or SQLite, not {vendor!r}: "
+            "point the migration at one with a database router, or leave "
+            "celery_leases.contrib.django out of INSTALLED_APPS"
+        )
+    return _DIALECTS[vendor]()
+
+
+def _tables() -> list[sa.Table]:
+    metadata = sa.MetaData()
+    return [lease_table(metadata, DEFAULT_TABLE_NAME), fence_table(metadata, DEFAULT_FENCE_TABLE)]
+
+
+def create_statements(vendor: str) -> list[str]:
+    """``CREATE TABLE`` and ``CREATE INDEX`` text for a Django connection's vendor.
+
+    Raises:
+        LeaseConfigurationError: the vendor is neither PostgreSQL nor SQLite.
+    """
+    dialect = _dialect(vendor)
+    statements = []
+    for table in _tables():
+        statements.append(str(sa.schema.CreateTable(table).compile(dialect=dialect)).strip())
+        statements.extend(
+            str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip()
+            for index in sorted(table.indexes, key=lambda index: str(index.name))
+        )
+    return statements
+
+
+def drop_statements(vendor: str) -> list[str]:
+    """``DROP TABLE`` text, the reverse of :func:`create_statements`."""
+    dialect = _dialect(vendor)
+    return [
+        str(sa.schema.DropTable(table).compile(dialect=dialect)).strip()
+        for table in reversed(_tables())
+    ]

@@ -1,0 +1,100 @@
+"""Settings of the shop: SQLite in db.sqlite3 and kombu's filesystem broker, no server.
+
+``SHOP_DATA`` moves the data files (default: this folder); ``SHOP_POSTGRES``
+(a ``postgresql://user@host:port/name`` URL) puts the database on PostgreSQL;
+``SHOP_DB_NAME`` names another database on it (the tests start workers on
+the test database with it).
+"""
+
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("SHOP_DATA", BASE_DIR)).resolve()
+
+SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "insecure-key-of-the-example-only")
+DEBUG = True
+ALLOWED_HOSTS = ["localhost", "127.0.0.1", "testserver"]
+
+# --8<-- [start:apps]
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "celery_leases.contrib.django",
+    "orders",
+]
+# --8<-- [end:apps]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "shop.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --8<-- [start:database]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": DATA / "db.sqlite3",
+        # a worker and the web process write the same file: wait for the
+        # write lock, and take it when a transaction begins
+        "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+        # tests need a file too: a worker cannot share an in-memory database
+        "TEST": {"NAME": DATA / "test.sqlite3"},
+    }
+}
+# --8<-- [end:database]
+if os.environ.get("SHOP_POSTGRES"):
+    url = urlsplit(os.environ["SHOP_POSTGRES"])
+    DATABASES["default"] = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": url.path.lstrip("/"),
+        "USER": url.username or "",
+        "PASSWORD": url.password or "",
+        "HOST": url.hostname or "",
+        "PORT": str(url.port or ""),
+    }
+if os.environ.get("SHOP_DB_NAME"):
+    DATABASES["default"]["NAME"] = os.environ["SHOP_DB_NAME"]
+
+# --8<-- [start:celery]
+BROKER_FOLDER = DATA / "broker"
+CELERY_BROKER_URL = "filesystem://"
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "data_folder_in": str(BROKER_FOLDER / "messages"),
+    "data_folder_out": str(BROKER_FOLDER / "messages"),
+    "store_processed": True,
+    "processed_folder": str(BROKER_FOLDER / "processed"),
+    "control_folder": str(BROKER_FOLDER / "control"),
+    "polling_interval": 0.1,  # seconds between looks into the folder
+}
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False  # the filesystem broker has no fan-out
+CELERY_TASK_ACKS_LATE = True
+CELERY_RESULT_BACKEND = f"db+sqlite:///{DATA / 'results.sqlite3'}"
+
+CELERY_LEASES_STORE = "django://default"  # the lease table of the migration
+CELERY_LEASES_TTL = 3  # renewed every second while a task runs
+# --8<-- [end:celery]
+for folder in ("messages", "processed", "control"):
+    (BROKER_FOLDER / folder).mkdir(parents=True, exist_ok=True)
