@@ -244,8 +244,11 @@ def _check_holds(records: Sequence[Mapping[str, Any]], counts: Counter[str]) -> 
     holds = [r for r in records if r["kind"] == "hold"]
     if not holds:
         return []
+    # without a renewal the time left only goes down, to 0 at the deadline
     renewed = sum(
-        1 for r in holds if float(r["after"]) > float(r["before"]) - float(r["held"]) + _RENEWED_BY
+        1
+        for r in holds
+        if float(r["after"]) > max(0.0, float(r["before"]) - float(r["held"])) + _RENEWED_BY
     )
     counts["hub holds"] = len(holds)
     counts["hub holds renewed meanwhile"] = renewed
