@@ -7,6 +7,12 @@ the library opens), the start and end of each body, each target write
 before it is sent and after its answer, and the lease signals.
 
 ``CHAOS_VARIANT`` selects a broken variant (see ``chaos.variants``).
+
+On the gevent or eventlet pool each run first holds the hub for
+:data:`HOLD_TTLS` TTLs (a blocking C call: the unpatched ``time.sleep``),
+longer than the lease's safe duration: only a heartbeat that renews
+outside the hub keeps the lease, and a ``hold`` record tells whether a
+renewal landed meanwhile.
 """
 
 from __future__ import annotations
@@ -23,16 +29,21 @@ import celery_leases.runtime
 from celery_leases import LeasedTask, LeaseLost, LeaseStore, StaleFencingToken, open_store
 from celery_leases import signals as lease_signals
 from celery_leases.fencing import FencingToken, Token
+from celery_leases.unpatched import green_library
 from chaos.config import JOB, ChaosConfig, make_app
 from chaos.history import History
 from chaos.once import OnceEffects
 from chaos.recording import RecordingStore
 from chaos.targets import RedisTarget, SqlTarget
+from tests.green import unpatched_sleep
 
 __all__ = ["JOB", "ChaosConfig", "app", "make_app"]
 
 #: variants the task body implements (the store variants live in chaos.recording)
 BODY_VARIANTS = frozenset({"unfenced-target", "ignore-deadline", "separate-commit"})
+
+#: how long (in TTLs) a run on a green pool holds the hub before its first slice
+HOLD_TTLS = 1.2
 
 
 def skew_wall_clock(spec: str) -> None:
@@ -132,6 +143,8 @@ def job(self: Any, seconds: float, writes: int) -> dict[str, Any]:
         remaining=lease.remaining(),
     )  # fmt: skip
     step, remaining = 0, lease.remaining()
+    if green_library() is not None:
+        _hold_hub(lease, HOLD_TTLS * config.ttl)
     try:
         for step in range(1, writes + 1):
             end = time.monotonic() + seconds / writes
@@ -148,6 +161,20 @@ def job(self: Any, seconds: float, writes: int) -> dict[str, Any]:
     if _once is not None:
         return _once.apply(self, lease)
     return {"generation": lease.generation}
+
+
+def _hold_hub(lease: Any, seconds: float) -> None:
+    """Block this process's hub for ``seconds``; record the time left before and after.
+
+    The lease's deadline moved on (``after`` above ``before - held``) only if
+    a renewal landed while no greenlet could run.
+    """
+    before, start = lease.remaining(), time.monotonic()
+    unpatched_sleep()(seconds)
+    history.record(
+        "hold", job=lease.job_id, generation=lease.generation, owner=lease.owner,
+        held=time.monotonic() - start, before=before, after=lease.remaining(),
+    )  # fmt: skip
 
 
 def _late_requests(task: Any, lease: Any, step: int, remaining: float) -> None:

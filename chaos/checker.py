@@ -19,7 +19,11 @@ began), the store's own clock in its answers (``store_now_ms``,
   clear terminal error (the poison verdict, :data:`TERMINAL`);
 - I7 (the ``once`` profile) each job's exactly-once effect is in the
   store's database exactly once;
-- D  no target accepted a write sent after its run's local deadline.
+- D  no target accepted a write sent after its run's local deadline;
+- H  (gevent and eventlet pools) renewals land while a task holds the hub:
+  of the runs that held it longer than their lease's safe duration (a
+  ``hold`` record, see :mod:`chaos.app`), at least one saw its lease's
+  deadline move on meanwhile. A heartbeat that waits in the hub never can.
 """
 
 from __future__ import annotations
@@ -149,6 +153,7 @@ def check(
         if applied != 1:
             violations.append(f"I7 job {job}: its effect was applied {applied} times, not once")
     violations += _check_writes(records, counts)
+    violations += _check_holds(records, counts)
     for r in records:
         if r["kind"] in ("lease_lost", "lease_fenced_out", "lease_skipped", "late"):
             counts[r["kind"].replace("_", " ")] += 1
@@ -229,6 +234,30 @@ def _check_completions(
                 f"records generation {record.generation}"
             )
     return found
+
+
+#: seconds a lease's time left must exceed "no renewal" by to count as renewed
+_RENEWED_BY = 0.05
+
+
+def _check_holds(records: Sequence[Mapping[str, Any]], counts: Counter[str]) -> list[str]:
+    holds = [r for r in records if r["kind"] == "hold"]
+    if not holds:
+        return []
+    # without a renewal the time left only goes down, to 0 at the deadline
+    renewed = sum(
+        1
+        for r in holds
+        if float(r["after"]) > max(0.0, float(r["before"]) - float(r["held"])) + _RENEWED_BY
+    )
+    counts["hub holds"] = len(holds)
+    counts["hub holds renewed meanwhile"] = renewed
+    if renewed:
+        return []
+    return [
+        f"H no renewal landed during any of {len(holds)} holds of the hub: the "
+        "heartbeat waits in the hub"
+    ]
 
 
 def _check_writes(records: Sequence[Mapping[str, Any]], counts: Counter[str]) -> list[str]:

@@ -2,7 +2,10 @@
 
 Every line is written with a single ``os.write`` on a file opened with
 ``O_APPEND``, so a line is whole or absent even when the process is killed
-right after, and lines of one process keep their order. Records carry
+right after, and lines of one process keep their order. Under gevent or
+eventlet the heartbeat records from OS threads: the lock is an OS lock
+(:func:`celery_leases.unpatched.lock`), held only while one line is made
+and written, and ``os.write`` is left alone by monkey-patching. Records carry
 ``mono``, the system-wide ``CLOCK_MONOTONIC`` of the host (the same for
 every process on one machine, and left alone by libfaketime with
 ``DONT_FAKE_MONOTONIC=1``), which orders records of different processes.
@@ -13,10 +16,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from celery_leases import unpatched
 
 __all__ = ["History", "read_history"]
 
@@ -28,7 +32,9 @@ class History:
         self.folder = Path(folder)
         self._fd: int | None = None
         self._pid = 0
-        self._lock = threading.Lock()
+        # an OS lock: under gevent or eventlet the heartbeat records from OS
+        # threads, and a record never switches while holding it
+        self._lock = unpatched.lock()
         self._ids = itertools.count(1)
 
     def _file(self) -> int:

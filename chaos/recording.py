@@ -102,7 +102,7 @@ class RecordingStore(LeaseStore):
     def _to_worker(self, job_id: str, result: R) -> R:
         if self.variant != "expiring-generation":
             return result
-        for (job, token), real in self._real.items():
+        for (job, token), real in list(self._real.items()):  # claims add meanwhile
             if job == job_id and getattr(result, "generation", None) == real:
                 return dataclasses.replace(result, generation=token)  # type: ignore[type-var]
         return result
@@ -155,9 +155,56 @@ class RecordingStore(LeaseStore):
 
         return self._op("renew", job_id, owner, generation, renew)
 
+    @property
+    def renews_outside_the_hub(self) -> bool:
+        """The real store's answer: its :meth:`_renew_many` is the one sent.
+
+        ``renew-without-owner`` renews each request on the task client, so
+        it cannot renew outside a green pool's hub.
+        """
+        return self.variant != "renew-without-owner" and self.inner.renews_outside_the_hub
+
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
-        # one recorded renew per request, each in its own round trip
-        return [self._renew(r.job_id, r.owner, r.generation, ttl_to_ms(r.ttl)) for r in requests]
+        """The real store's one round trip (under gevent or eventlet, on its
+        unpatched renewal connections), recorded as one renew per request
+        that all share the batch's interval.
+
+        The heartbeat calls it from its own thread (an OS thread under
+        monkey-patching): :class:`~chaos.history.History` takes only an OS
+        lock and writes with ``os.write``, so nothing here waits in the hub.
+        """
+        if self.variant == "renew-without-owner":
+            # one round trip per request, each reading the record first
+            return [
+                self._renew(r.job_id, r.owner, r.generation, ttl_to_ms(r.ttl)) for r in requests
+            ]
+        calls = [
+            self.history.record(
+                "call", op="renew", job=r.job_id, owner=r.owner, generation=r.generation
+            )
+            for r in requests
+        ]
+        sent = [
+            dataclasses.replace(r, generation=self._to_store(r.job_id, r.generation))
+            for r in requests
+        ]
+        try:
+            results = [
+                self._to_worker(r.job_id, result)
+                for r, result in zip(requests, self.inner._renew_many(sent), strict=True)
+            ]
+        except Exception as exc:
+            for call_id, r in zip(calls, requests, strict=True):
+                self.history.record(
+                    "error", call=call_id, op="renew", job=r.job_id, error=type(exc).__name__
+                )
+            raise
+        for call_id, r, result in zip(calls, requests, results, strict=True):
+            self.history.record(
+                "result", call=call_id, op="renew", job=r.job_id, owner=r.owner,
+                generation=r.generation, answer=_describe(result),
+            )  # fmt: skip
+        return results
 
     def _complete(
         self, job_id: str, owner: str, generation: int, outcome: bytes | None

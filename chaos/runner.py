@@ -91,6 +91,22 @@ PROFILES = {
         drain=45.0,
         once=True,
     ),
+    # the ci profile's faults, shorter, on workers without pool processes:
+    # for ``pool="gevent"`` (or "eventlet"), every run holds the hub (chaos.app)
+    "green": Profile(
+        jobs=14,
+        seconds=22,
+        interval=1.6,
+        budget={
+            "pause-worker": 2,
+            "kill-worker": 1,
+            "duplicate": 3,
+            "partition": 2,
+            "store-restart": 1,
+        },
+        workers=(("gevent", 4, ""), ("gevent", 4, "+300")),
+        drain=45.0,
+    ),
     "long": Profile(
         jobs=1000,
         seconds=1200,
@@ -139,13 +155,20 @@ def run(
     out: Path,
     variant: str = "",
     broker_kind: str = "redis",
+    pool: str = "",
     log: Any = print,
 ) -> Report:
     """Run one chaos profile and return the checker's report (also in ``out``).
 
     ``broker_kind`` ``"amqp"`` puts the broker on a private RabbitMQ node;
-    results and the Redis target stay on the Redis server.
+    results and the Redis target stay on the Redis server. ``pool``
+    (``prefork``, ``threads``, ``gevent``, ``eventlet``) puts every worker of
+    the profile on that pool; "" keeps the profile's pools.
     """
+    if pool:
+        profile = dataclasses.replace(
+            profile, workers=tuple((pool, n, clock) for _, n, clock in profile.workers)
+        )
     if profile.once and store_kind != "postgres":
         raise ValueError("the once profile needs the postgres store: its effects live there")
     out.mkdir(parents=True, exist_ok=True)
@@ -227,8 +250,8 @@ def run(
         for spec in profile.workers:
             workers.append(start(*spec))
         log(
-            f"chaos: {len(workers)} workers up; broker {broker_kind}, store {store_kind}, "
-            f"seed {seed}, variant {variant or '-'}"
+            f"chaos: {len(workers)} workers up ({', '.join(w.pool for w in workers)}); "
+            f"broker {broker_kind}, store {store_kind}, seed {seed}, variant {variant or '-'}"
         )
 
         send_ids: dict[str, str] = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from celery import Celery, Task
 
 from celery_leases import LeasedTask, LeaseLost, StoreUnavailable
 from celery_leases import signals as lease_signals
+from tests.green import unpatched_sleep
 
 __all__ = ["AcceptanceConfig", "app", "config_from_env", "make_app"]
 
@@ -269,21 +269,6 @@ def _sleep_steps(seconds: float, step: float) -> None:
         time.sleep(min(step, max(deadline - time.monotonic(), 0.0)))
 
 
-def _unpatched_sleep() -> Any:
-    """``time.sleep`` as it was before gevent or eventlet patched it."""
-    if "gevent.monkey" in sys.modules:
-        from gevent import monkey
-
-        if monkey.is_module_patched("time"):
-            return monkey.get_original("time", "sleep")
-    if "eventlet.patcher" in sys.modules:
-        from eventlet import patcher
-
-        if patcher.is_monkey_patched("time"):
-            return patcher.original("time").sleep
-    return time.sleep
-
-
 def _kill_after_first_completion(config: AcceptanceConfig) -> None:
     """SIGKILL this process once per job, right after its completion is accepted."""
 
@@ -431,7 +416,7 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         end = time.monotonic() + spin
         while time.monotonic() < end:
             pass
-        _unpatched_sleep()(block)
+        unpatched_sleep()(block)
         _event(config, self, "done")
 
     @celery_app.task(bind=True, shared=False, name=PLAIN_STEPS)

@@ -5,7 +5,8 @@ prefork, one threads pool; two with their wall clock 300 s off), 24 leased
 jobs writing through a fenced SQL row and a fenced Redis stream, and a
 seeded nemesis that pauses pool processes and whole workers past their
 lease, kills them, sends duplicates, partitions the workers from the store
-and kills the store; the checker must find no violation.
+and kills the store; the checker must find no violation. The green profile
+does the same, shorter, on two gevent workers whose runs hold the hub.
 
 The broken variants each need a run of their own (about 30 s each), so
 they run when ``LEASES_CHAOS_VARIANTS=1`` is set; the checker's detection
@@ -74,6 +75,24 @@ def test_the_ci_profile_on_rabbitmq_has_no_violation(tmp_path: Path) -> None:
             pytest.fail(f"{exc} (CI=true: a missing server fails the run)")
         pytest.skip(str(exc))
     _assert_no_violation_under_every_fault(report)
+
+
+@pytest.mark.timeout(240)
+def test_the_green_profile_on_gevent_has_no_violation(tmp_path: Path) -> None:
+    """Two gevent workers (one with its wall clock 300 s off), 14 jobs, and
+    the ci profile's faults but those on pool processes, which gevent has
+    none of. Every run first holds the hub past its lease's safe duration
+    (chaos.app): renewals must land meanwhile (H), and every job complete."""
+    report = run(
+        PROFILES["green"], store_kind="redis", seed=SEED, out=tmp_path, pool="gevent", log=print
+    )
+    print(report.format())
+    assert report.ok, report.format()
+    counts = report.counts
+    for fault in ("pause-worker", "partition", "store-restart", "duplicate"):
+        assert counts[fault] >= 1, f"no {fault} injected:\n{report.format()}"
+    assert counts["hub holds"] >= counts["jobs"], "a run did not hold the hub"
+    assert counts["hub holds renewed meanwhile"] >= 1
 
 
 @pytest.mark.timeout(300)

@@ -218,3 +218,26 @@ def test_an_effect_applied_twice_is_caught_and_once_passes() -> None:
     for rows in (0, 2):
         report = with_effects(rows)
         assert [v for v in report.violations if v.startswith("I7 ")], report.format()
+
+
+def test_holds_of_the_hub_without_any_renewal_are_caught() -> None:
+    """A heartbeat that waits in the hub: every hold ends with the time left
+    run down (to 0 past the deadline); one renewal meanwhile is enough."""
+
+    def holds(*spans: tuple[float, float, float]) -> Report:
+        history = History()
+        history.claim("A", 10, 0)
+        history.complete("A", 10)
+        for before, held, after in spans:
+            history._add("hold", job=JOB, generation=10, owner="A", held=held, before=before,
+                         after=after)  # fmt: skip
+        return run_check(history, completed("A", 10))
+
+    waited = holds((1.1, 1.8, 0.0), (0.9, 0.5, 0.4), (1.0, 1.2, 0.0))
+    assert [v[:2] for v in waited.violations] == ["H "], waited.format()
+    assert waited.counts["hub holds renewed meanwhile"] == 0
+    renewed = holds((1.1, 1.8, 0.0), (0.9, 0.5, 0.9), (1.0, 1.8, 0.7))
+    assert renewed.ok, renewed.format()
+    assert renewed.counts["hub holds"] == 3
+    assert renewed.counts["hub holds renewed meanwhile"] == 2
+    assert holds().ok  # no green pool: nothing to check
