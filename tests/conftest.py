@@ -2,7 +2,7 @@
 
 Locally, a server whose binaries are missing skips the tests that need it,
 with a message. With ``CI=true`` it fails them instead, so CI can never pass
-without really exercising Redis and PostgreSQL.
+without really exercising Redis, PostgreSQL and MariaDB.
 """
 
 from __future__ import annotations
@@ -16,11 +16,17 @@ from typing import TypeVar
 import pytest
 
 from celery_leases import LeaseStore, open_store
-from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
+from tests.servers import (
+    MariadbServer,
+    PostgresServer,
+    RedisCluster,
+    RedisServer,
+    ServerMissing,
+)
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-STORE_KINDS = ["memory", "redis", "postgres", "sqlite"]
+STORE_KINDS = ["memory", "redis", "postgres", "sqlite", "mysql"]
 
 
 def _unavailable(reason: str) -> None:
@@ -29,7 +35,7 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-Server = TypeVar("Server", RedisServer, PostgresServer, RedisCluster)
+Server = TypeVar("Server", RedisServer, PostgresServer, RedisCluster, MariadbServer)
 
 
 def serve(make: Callable[[], Server]) -> Generator[Server, None, None]:
@@ -56,6 +62,12 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     yield from serve(PostgresServer)
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[MariadbServer]:
+    """A MariaDB server shared by the session (tests use their own tables)."""
+    yield from serve(MariadbServer)
 
 
 @pytest.fixture(scope="session")
@@ -94,6 +106,9 @@ def store_url(
     if store_kind == "postgres":
         pg: PostgresServer = request.getfixturevalue("postgres_server")
         return pg.url, {"table_name": f"leases_{unique}"}
+    if store_kind == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url, {"table_name": f"leases_{unique}"}
     if store_kind == "sqlite":
         return f"sqlite:///{tmp_path / 'leases.db'}", {"table_name": f"leases_{unique}"}
     raise AssertionError(store_kind)

@@ -1,4 +1,4 @@
-"""Throwaway servers for the test session: redis-server and PostgreSQL.
+"""Throwaway servers for the test session: redis-server, PostgreSQL and MariaDB.
 
 Each server is a real process on a free port bound to 127.0.0.1, with its
 data in a temporary folder. It can be stopped and started again on the same
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 __all__ = [
+    "MariadbServer",
     "PostgresServer",
     "RedisCluster",
     "RedisServer",
@@ -228,6 +229,101 @@ class PostgresServer:
 
     def close(self) -> None:
         self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class MariadbServer:
+    """A MariaDB server made with mariadb-install-db and run as a process.
+
+    Its data, socket and pid file live in a temporary folder; it listens on
+    a free port of 127.0.0.1. The store connects as ``leases`` with a
+    password (root keeps the socket's authentication). As root, the server
+    runs as root (``--user=root``).
+    """
+
+    USER = "leases"
+    PASSWORD = "lease-test-pw"
+    DATABASE = "leases"
+
+    def __init__(self) -> None:
+        binary = shutil.which("mariadbd") or (
+            "/usr/sbin/mariadbd" if os.path.exists("/usr/sbin/mariadbd") else None
+        )
+        install = shutil.which("mariadb-install-db")
+        if binary is None or install is None:
+            raise ServerMissing("MariaDB is not installed (apt-get install mariadb-server)")
+        self.binary = binary
+        self.root = Path(tempfile.mkdtemp(prefix="leases-mariadb-"))
+        self.data = self.root / "data"
+        self.socket = self.root / "mariadb.sock"
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        user = ["--user=root"] if os.geteuid() == 0 else []
+        subprocess.run(
+            [
+                install, "--no-defaults", f"--datadir={self.data}", "--auth-root-authentication-method=socket",
+                "--skip-test-db", *user,
+            ],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        self.start()
+        self.sql(
+            f"CREATE DATABASE {self.DATABASE};"
+            f"CREATE USER '{self.USER}'@'127.0.0.1' IDENTIFIED BY '{self.PASSWORD}';"
+            f"GRANT ALL ON {self.DATABASE}.* TO '{self.USER}'@'127.0.0.1';"
+        )
+
+    @property
+    def url(self) -> str:
+        return f"mysql+pymysql://{self.USER}:{self.PASSWORD}@127.0.0.1:{self.port}/{self.DATABASE}"
+
+    def start(self) -> None:
+        """Start (or start again) on the same port and data folder."""
+        args = [
+            self.binary,
+            "--no-defaults",
+            f"--datadir={self.data}",
+            f"--socket={self.socket}",
+            f"--pid-file={self.root / 'mariadb.pid'}",
+            f"--log-error={self.root / 'mariadb.log'}",
+            "--bind-address=127.0.0.1",
+            f"--port={self.port}",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=16M",
+            "--innodb-log-file-size=16M",
+            "--innodb-flush-log-at-trx-commit=2",
+            "--max-connections=200",
+            *(["--user=root"] if os.geteuid() == 0 else []),
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.port, self.proc, timeout=60.0)
+
+    def sql(self, script: str) -> str:
+        """Run ``script`` as root over the socket; its output."""
+        reply = subprocess.run(
+            ["mariadb", "--no-defaults", f"--socket={self.socket}", "-uroot", "-N", "-e", script],
+            check=True, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        return reply.stdout
+
+    def stop(self) -> None:
+        """Stop the server with SIGTERM (a clean shutdown) and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
