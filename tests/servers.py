@@ -245,7 +245,7 @@ class MariadbServer:
     PASSWORD = "lease-test-pw"
     DATABASE = "leases"
 
-    def __init__(self) -> None:
+    def __init__(self, *extra_args: str) -> None:
         binary = shutil.which("mariadbd") or (
             "/usr/sbin/mariadbd" if os.path.exists("/usr/sbin/mariadbd") else None
         )
@@ -257,12 +257,14 @@ class MariadbServer:
         self.data = self.root / "data"
         self.socket = self.root / "mariadb.sock"
         self.port = free_port()
+        #: more server options, after (and so above) the defaults
+        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         user = ["--user=root"] if os.geteuid() == 0 else []
         subprocess.run(
             [
-                install, "--no-defaults", f"--datadir={self.data}", "--auth-root-authentication-method=socket",
-                "--skip-test-db", *user,
+                install, "--no-defaults", f"--datadir={self.data}",
+                "--auth-root-authentication-method=socket", "--skip-test-db", *user,
             ],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
@@ -294,6 +296,7 @@ class MariadbServer:
             "--innodb-flush-log-at-trx-commit=2",
             "--max-connections=200",
             *(["--user=root"] if os.geteuid() == 0 else []),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for_port(self.port, self.proc, timeout=60.0)
@@ -316,6 +319,13 @@ class MariadbServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """Stop the server abruptly with SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         self.proc = None
 
     def restart(self) -> None:

@@ -16,7 +16,8 @@ __all__ = ["LeaseStore", "open_store"]
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
+_MYSQL_SCHEMES = ("mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql")
+_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite", *_MYSQL_SCHEMES)
 
 
 def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:
@@ -28,6 +29,14 @@ def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:
     return error
 
 
+def _sql_extra(scheme: str) -> str:
+    if scheme.startswith("postgresql"):
+        return "postgres"
+    if scheme in _MYSQL_SCHEMES:
+        return "mysql"
+    return "sqlalchemy"
+
+
 def open_store(url: str, **options: Any) -> LeaseStore:
     """Open the lease store that ``url`` names.
 
@@ -36,7 +45,8 @@ def open_store(url: str, **options: Any) -> LeaseStore:
             ``sentinel://host:26379;sentinel://host2:26379`` (with the
             ``master_name=`` option) for Redis behind Sentinel;
             ``redis+cluster://host:port`` for a Redis Cluster;
-            ``postgresql+psycopg://`` or ``sqlite:///path`` for SQL;
+            ``postgresql+psycopg://``, ``mysql+pymysql://``,
+            ``mariadb+pymysql://`` or ``sqlite:///path`` for SQL;
             ``memory://`` for the in-process testing store.
         **options: passed to the store's ``from_url`` (for example
             ``prefix=`` for Redis, ``table_name=`` for SQL).
@@ -91,12 +101,10 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
         try:
             from celery_leases.stores.sql import SqlStore
         except ImportError as exc:
-            raise _missing(
-                "postgres" if scheme.startswith("postgresql") else "sqlalchemy", exc
-            ) from exc
+            raise _missing(_sql_extra(scheme), exc) from exc
         return SqlStore.from_url(url, **options)
     raise LeaseConfigurationError(
         f"unknown lease store scheme {scheme!r} in {mask(url)!r}; use one of "
         "redis://, rediss://, unix://, sentinel://, redis+cluster://, "
-        "postgresql+psycopg://, sqlite:///, memory://"
+        "postgresql+psycopg://, mysql+pymysql://, mariadb+pymysql://, sqlite:///, memory://"
     )

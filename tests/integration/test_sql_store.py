@@ -41,7 +41,7 @@ from celery_leases import (
 from celery_leases.stores import sql
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from tests.operations import every_operation
-from tests.servers import PostgresServer
+from tests.servers import MariadbServer, PostgresServer
 
 A = "worker-a"
 B = "worker-b"
@@ -70,12 +70,15 @@ EXPECTED_COLUMNS = {
 # --- fixtures -----------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
+@pytest.fixture(params=["postgres", "sqlite", "mysql"])
 def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of a PostgreSQL database or of a fresh SQLite file."""
+    """The URL of a PostgreSQL or MariaDB database or of a fresh SQLite file."""
     if request.param == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
         return server.url
+    if request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url
     return f"sqlite:///{tmp_path / 'leases.db'}"
 
 
@@ -132,6 +135,8 @@ def _database_now_ms(store: SqlStore) -> int:
     """The database's clock read with plain SQL, independently of the store."""
     if store.dialect_name == "postgresql":
         query = "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+    elif store.dialect_name == "mysql":
+        query = "SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)"
     else:
         query = "SELECT CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
     with store.engine.connect() as conn:
@@ -146,6 +151,12 @@ def _backdate_completion(store: SqlStore, job_id: str, seconds: float) -> None:
             .where(t.c.job_id == job_id)
             .values(completed_at=t.c.completed_at - round(seconds * 1000))
         )
+
+
+def _statements(store: SqlStore, *, mysql: int, other: int) -> int:
+    """How many statements an operation sends: MySQL decides a claim and a
+    renewal under the records' locks, a SELECT ... FOR UPDATE before its write."""
+    return mysql if store.dialect_name == "mysql" else other
 
 
 class StatementLog:
@@ -747,8 +758,8 @@ def test_renew_many_is_one_statement_when_nothing_is_refused(sql_store: SqlStore
     with StatementLog(sql_store.engine) as log:
         results = sql_store.renew_many(requests)
     assert all(isinstance(r, Renewed) for r in results)
-    assert len(log.statements) == 1
-    assert log.statements[0].lstrip().upper().startswith(("UPDATE", "WITH"))
+    assert len(log.statements) == _statements(sql_store, mysql=2, other=1)
+    assert log.statements[-1].lstrip().upper().startswith(("UPDATE", "WITH"))
 
 
 def test_renew_many_adds_one_select_when_something_is_refused(sql_store: SqlStore) -> None:
@@ -759,7 +770,10 @@ def test_renew_many_adds_one_select_when_something_is_refused(sql_store: SqlStor
         results = sql_store.renew_many(requests)
     assert sum(isinstance(r, Refusal) for r in results) == 5
     assert len(log.statements) == 2
-    assert log.statements[1].lstrip().upper().startswith("SELECT")
+    # MySQL judges the refusals by the records its first SELECT locked
+    first, second = ("SELECT", "UPDATE") if sql_store.dialect_name == "mysql" else ("", "SELECT")
+    assert log.statements[0].lstrip().upper().startswith(first)
+    assert log.statements[1].lstrip().upper().startswith(second)
 
 
 def test_single_operations_are_one_statement_when_they_succeed(sql_store: SqlStore) -> None:
@@ -767,7 +781,7 @@ def test_single_operations_are_one_statement_when_they_succeed(sql_store: SqlSto
         acquired = _acquire(sql_store, "job")
         sql_store.renew("job", A, acquired.generation, 10)
         sql_store.complete("job", A, acquired.generation)
-    assert len(log.statements) == 3
+    assert len(log.statements) == _statements(sql_store, mysql=5, other=3)
 
 
 class CompiledLog:
@@ -832,7 +846,7 @@ def test_claim_over_a_run_out_lease_is_a_takeover_in_one_statement(sql_store: Sq
         time.sleep(0.02)
     with StatementLog(sql_store.engine) as log:
         second = _acquire(sql_store, "job", owner=B)
-    assert len(log.statements) == 1
+    assert len(log.statements) == _statements(sql_store, mysql=2, other=1)
     assert second.generation == max(first.generation + 1, second.store_now_ms)
     assert second.takeovers == 1
     record = sql_store.get("job")
@@ -848,7 +862,7 @@ def test_claim_of_held_or_completed_job_adds_one_select(sql_store: SqlStore) -> 
     assert isinstance(held, HeldElsewhere)
     assert held.holder == A
     assert 25 < held.remaining <= 30
-    assert len(log.statements) == 2
+    assert len(log.statements) == _statements(sql_store, mysql=1, other=2)
     sql_store.complete("job", A, acquired.generation)
     assert sql_store.claim("job", B, 10) == AlreadyCompleted("job", acquired.generation)
 

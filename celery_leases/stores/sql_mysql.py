@@ -1,0 +1,294 @@
+"""The SQL lease store's operations on MySQL and MariaDB (InnoDB).
+
+Used by :mod:`celery_leases.stores.sql`. MySQL has no ``UPDATE ...
+RETURNING`` and its upsert cannot report whether it took a row over, so a
+claim and a renewal decide under the records' row locks instead, in one
+transaction::
+
+    BEGIN (implicit)
+    SELECT now, t.* FROM (SELECT now) n LEFT JOIN t ON t.job_id IN (...)
+        FOR UPDATE                   -- waits for a writer, then locks
+    decide in Python, on the locked rows and that clock reading
+    INSERT / UPDATE ... WHERE job_id = ... AND generation = <as read>
+    COMMIT
+
+The clock is read once, at the locking SELECT's start: a claim that waited
+for a lock judges the lease by an earlier instant (the lease looks longer
+than it is, never shorter), and the new ``lease_until`` counts from that
+instant, so the store's lease never ends after the worker's own deadline.
+Completion, release and an operator's release are one conditional UPDATE;
+its row count (1 or 0: each changes a column it matched on) says whether
+it applied.
+
+Two first claims of a new job race on a row that does not exist yet: under
+REPEATABLE READ both lock the gap and one is ended as a deadlock, under
+READ COMMITTED one insert meets the other's key. Either way that claim is
+made again in a new transaction, where the row exists and its lock decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc
+from sqlalchemy.engine import Connection, Engine
+
+from celery_leases.errors import LeaseRecordUnreadable
+from celery_leases.stores.base import (
+    Acquired,
+    ClaimResult,
+    Completed,
+    CompleteResult,
+    LeaseRecord,
+    LeaseState,
+    Released,
+    ReleaseResult,
+    Renewed,
+    RenewRequest,
+    RenewResult,
+    refusal_for,
+    ttl_to_ms,
+    unreadable_refusal,
+)
+from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
+from celery_leases.stores.sql_statements import _Statements
+from celery_leases.stores.sql_table import _Dialect
+
+__all__ = ["MysqlOperations"]
+
+#: MySQL's error numbers for a claim that raced on a new row
+_DUPLICATE_KEY = 1062
+_DEADLOCK = 1213
+
+#: records locked by one SELECT of a batch renewal
+_BATCH_CHUNK = 500
+
+
+def _error_number(error: exc.DBAPIError) -> int | None:
+    args = getattr(error.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+@dataclass(frozen=True)
+class _MysqlStatements:
+    """MySQL's own statements, built once per store."""
+
+    #: the clock, and the records of ``:p_job_ids`` locked FOR UPDATE (one
+    #: row of NULLs when none exists)
+    lock_records: Any
+    #: a job's first claim, with values decided from ``:p_now``
+    insert_claim: Any
+    #: a takeover of the record as it was read (``:p_old_generation``)
+    takeover: Any
+    #: the renewal of the locked records ``:p_job_ids``
+    renew_locked: Any
+
+    @classmethod
+    def build(cls, table: sa.Table, dialect: _Dialect) -> _MysqlStatements:
+        t = table
+        n = sa.select(dialect.now_ms().label("now")).subquery("n")
+        held = LeaseState.HELD.value
+        now = sa.bindparam("p_now", type_=sa.BigInteger)
+        lease_until = now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger)
+        claim_values = {
+            "owner": sa.bindparam("p_owner"),
+            "generation": sa.bindparam("p_generation", type_=sa.BigInteger),
+            "lease_until": lease_until,
+            "state": held,
+            "task_name": sa.bindparam("p_task_name"),
+            "claimed_at": now,
+            "renew_count": 0,
+            "takeovers": sa.bindparam("p_takeovers", type_=sa.Integer),
+            "send_id": sa.bindparam("p_send_id"),
+        }
+        return cls(
+            lock_records=(
+                sa.select(n.c.now, t)
+                .select_from(
+                    n.outerjoin(t, t.c.job_id.in_(sa.bindparam("p_job_ids", expanding=True)))
+                )
+                .order_by(t.c.job_id)
+                .with_for_update()
+            ),
+            insert_claim=sa.insert(t).values(job_id=sa.bindparam("p_job_id"), **claim_values),
+            takeover=(
+                sa.update(t)
+                .values(
+                    **claim_values,
+                    renewed_at=None,
+                    completed_at=None,
+                    outcome=None,
+                    released_at=None,
+                    released_by="",
+                    release_reason="",
+                )
+                .where(
+                    t.c.job_id == sa.bindparam("p_job_id"),
+                    t.c.generation == sa.bindparam("p_old_generation", type_=sa.BigInteger),
+                )
+            ),
+            renew_locked=(
+                sa.update(t)
+                .values(lease_until=lease_until, renewed_at=now, renew_count=t.c.renew_count + 1)
+                .where(t.c.job_id.in_(sa.bindparam("p_job_ids", expanding=True)))
+            ),
+        )
+
+
+class MysqlOperations(Operations):
+    """The operations on one store's table in MySQL or MariaDB."""
+
+    def __init__(self, statements: _Statements, where: str, mysql: _MysqlStatements) -> None:
+        super().__init__(statements, where)
+        self.mysql = mysql
+
+    def _locked(
+        self, conn: Connection, job_ids: Sequence[str]
+    ) -> tuple[int, dict[str, LeaseRecord | LeaseRecordUnreadable]]:
+        """The clock and the records of ``job_ids``, each now locked."""
+        rows = conn.execute(self.mysql.lock_records, {"p_job_ids": list(job_ids)}).all()
+        records = {row.job_id: self.readable(row._mapping) for row in rows if row.job_id}
+        return int(rows[0].now), records
+
+    # -- claim ----------------------------------------------------------------
+
+    def claim_in_turns(self, engine: Engine, parameters: dict[str, Any]) -> ClaimResult:
+        """Claim in a transaction of its own; again in a new one when it
+        raced another first claim of the job (see the module's docstring)."""
+        for _ in range(CLAIM_ATTEMPTS):
+            try:
+                with engine.begin() as conn:
+                    result = self._claim_locked(conn, parameters)
+            except exc.OperationalError as error:
+                if _error_number(error) != _DEADLOCK:
+                    raise
+                continue  # the server rolled the transaction back
+            if result is not None:
+                return result
+        raise self._undecided(parameters)
+
+    def _claim_locked(self, conn: Connection, parameters: dict[str, Any]) -> ClaimResult | None:
+        """The claim on the locked record; None when a first claim of the
+        job committed between our read and our insert."""
+        job_id, owner = parameters["p_job_id"], parameters["p_owner"]
+        ttl_ms = parameters["p_ttl_ms"]
+        now, records = self._locked(conn, [job_id])
+        found = records.get(job_id)
+        values = {**parameters, "p_now": now}
+        if found is None:
+            try:
+                conn.execute(
+                    self.mysql.insert_claim, {**values, "p_generation": now, "p_takeovers": 0}
+                )
+            except exc.IntegrityError as error:
+                if _error_number(error) != _DUPLICATE_KEY:
+                    raise
+                return None
+            return Acquired(job_id, owner, now, now + ttl_ms, now, 0)
+        if isinstance(found, LeaseRecordUnreadable):
+            raise found
+        decided = self._judge(found, now, parameters["p_send_id"] or None)
+        if decided is not None:
+            return decided
+        # the takeover rule of every SQL store (sql_statements._takeover_values)
+        generation = max(found.generation + 1, now)
+        if found.state is LeaseState.HELD:
+            takeovers = found.takeovers + 1
+        elif found.state is LeaseState.COMPLETED:
+            takeovers = 0
+        else:
+            takeovers = found.takeovers
+        updated = conn.execute(
+            self.mysql.takeover,
+            {
+                **values,
+                "p_generation": generation,
+                "p_takeovers": takeovers,
+                "p_old_generation": found.generation,
+            },
+        ).rowcount
+        if updated != 1:  # cannot happen while the row is locked; refuse rather than guess
+            raise self._undecided(parameters)
+        return Acquired(job_id, owner, generation, now + ttl_ms, now, takeovers)
+
+    # -- renewals ---------------------------------------------------------------
+
+    def renew(self, conn: Connection, parameters: dict[str, Any]) -> RenewResult:
+        request = (
+            parameters["p_job_id"],
+            parameters["p_owner"],
+            parameters["p_generation"],
+            parameters["p_ttl_ms"],
+        )
+        return self._renew_locked(conn, [request])[0]
+
+    def renew_many(self, conn: Connection, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        """Lock the batch's records, judge each request, renew the current
+        ones with one UPDATE per lease time (usually one)."""
+        return self._renew_locked(
+            conn, [(r.job_id, r.owner, r.generation, ttl_to_ms(r.ttl)) for r in requests]
+        )
+
+    def _renew_locked(
+        self, conn: Connection, requests: Sequence[tuple[str, str, int, int]]
+    ) -> list[RenewResult]:
+        results: list[RenewResult] = []
+        for start in range(0, len(requests), _BATCH_CHUNK):
+            chunk = requests[start : start + _BATCH_CHUNK]
+            now, records = self._locked(conn, sorted({job_id for job_id, *_ in chunk}))
+            renew: dict[int, set[str]] = {}
+            for job_id, owner, generation, ttl_ms in chunk:
+                record = records.get(job_id)
+                if isinstance(record, LeaseRecordUnreadable):
+                    # one bad record must not stop the heartbeat of every other lease
+                    results.append(unreadable_refusal(job_id, owner, generation))
+                elif (
+                    record is not None
+                    and record.state is LeaseState.HELD
+                    and record.owner == owner
+                    and record.generation == generation
+                ):
+                    renew.setdefault(ttl_ms, set()).add(job_id)
+                    results.append(Renewed(job_id, generation, now + ttl_ms, now))
+                else:
+                    results.append(refusal_for(record, job_id, owner, generation))
+            for ttl_ms, job_ids in renew.items():
+                conn.execute(
+                    self.mysql.renew_locked,
+                    {"p_now": now, "p_ttl_ms": ttl_ms, "p_job_ids": sorted(job_ids)},
+                )
+        return results
+
+    # -- one conditional UPDATE each ----------------------------------------------
+
+    def _applied(self, conn: Connection, statement: Any, parameters: dict[str, Any]) -> bool:
+        return bool(conn.execute(statement, parameters).rowcount)
+
+    def complete(self, conn: Connection, parameters: dict[str, Any]) -> CompleteResult:
+        job_id, owner, generation = (
+            parameters["p_job_id"],
+            parameters["p_owner"],
+            parameters["p_generation"],
+        )
+        if self._applied(conn, self.statements.complete, parameters):
+            return Completed(job_id, generation)
+        return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
+
+    def release(self, conn: Connection, parameters: dict[str, Any]) -> ReleaseResult:
+        job_id, owner, generation = (
+            parameters["p_job_id"],
+            parameters["p_owner"],
+            parameters["p_generation"],
+        )
+        if self._applied(conn, self.statements.release, parameters):
+            return Released(job_id, generation)
+        return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
+
+    def force_release(self, conn: Connection, parameters: dict[str, Any]) -> LeaseRecord | None:
+        # the record as the UPDATE left it (our lock), or as it is when the
+        # UPDATE passed it by (missing, completed or unreadable)
+        self._applied(conn, self.statements.force_release, parameters)
+        return self.select_record(conn, parameters["p_job_id"])
