@@ -41,13 +41,29 @@ def _bounded_connection_class() -> type[Any]:
     class BoundedConnection(pymysql.connections.Connection):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # the limits outside the store's calls; the handshake reads already
+            self._store_connect_timeout = kwargs.get("connect_timeout", 10)
             self._store_read_timeout = kwargs.get("read_timeout")
             self._store_write_timeout = kwargs.get("write_timeout")
             super().__init__(*args, **kwargs)
 
-        def _read_packet(self, packet_type: Any = MysqlPacket) -> Any:
+        def _bound(self, configured: float | None) -> tuple[float | None, float | None]:
+            """(the socket timeout for the next wait, the store's limit or None)."""
             limit = reply_limit()
-            self._read_timeout = self._store_read_timeout if limit is None else max(limit, 1e-3)
+            if limit is None:
+                return configured, None
+            if limit <= 0:
+                self._force_close()
+                raise pymysql.err.OperationalError(
+                    2013, "no time left before the caller's deadline; the connection was closed"
+                )
+            return (limit if configured is None else min(limit, configured)), limit
+
+        def connect(self, sock: Any = None) -> None:
+            self.connect_timeout, _ = self._bound(self._store_connect_timeout)
+            super().connect(sock)
+
+        def _read_packet(self, packet_type: Any = MysqlPacket) -> Any:
+            self._read_timeout, limit = self._bound(self._store_read_timeout)
             try:
                 return super()._read_packet(packet_type)
             except pymysql.err.OperationalError as error:
@@ -60,8 +76,7 @@ def _bounded_connection_class() -> type[Any]:
                 ) from error
 
         def _write_bytes(self, data: bytes) -> None:
-            limit = reply_limit()
-            self._write_timeout = self._store_write_timeout if limit is None else max(limit, 1e-3)
+            self._write_timeout, _ = self._bound(self._store_write_timeout)
             super()._write_bytes(data)
 
     return BoundedConnection
