@@ -12,12 +12,17 @@ from celery_leases.errors import LeaseConfigurationError
 from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.base import LeaseStore
 
-__all__ = ["LeaseStore", "open_store"]
+__all__ = ["LeaseStore", "is_sql_url", "open_store"]
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _MYSQL_SCHEMES = ("mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql")
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite", *_MYSQL_SCHEMES)
+
+
+def is_sql_url(url: str) -> bool:
+    """Whether ``url`` names a SQL lease store (which has a table to create)."""
+    return url.split("://", 1)[0].lower() in _SQL_SCHEMES
 
 
 def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:

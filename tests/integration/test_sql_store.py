@@ -958,3 +958,63 @@ def test_lease_is_current_clause_ignores_lease_until(sql_store: SqlStore) -> Non
     acquired = _acquire(sql_store, "job", ttl=0.001)
     time.sleep(0.05)
     assert _fenced_write(sql_store, "job", A, acquired.generation, "late")
+
+
+# --- MySQL and MariaDB ------------------------------------------------------------
+
+
+@pytest.mark.mysql
+@pytest.mark.parametrize("scheme", ["mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql"])
+def test_mysql_and_mariadb_urls_open_the_store_with_pymysql(
+    mariadb_server: MariadbServer, scheme: str, table_name: str
+) -> None:
+    url = mariadb_server.url.replace("mysql+pymysql://", f"{scheme}://")
+    store = open_store(url, table_name=table_name)
+    try:
+        assert isinstance(store, SqlStore)
+        assert (store.dialect_name, store.engine.driver) == ("mysql", "pymysql")
+        assert isinstance(store.claim("job", A, 10), Acquired)
+    finally:
+        store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_wrong_password_is_a_configuration_error_without_the_password(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    url = mariadb_server.url.replace(mariadb_server.PASSWORD, "not-the-Pa55word")
+    with pytest.raises(LeaseConfigurationError) as info:
+        open_store(url, table_name=table_name)
+    assert "Access denied" in str(info.value)
+    assert "not-the-Pa55word" not in str(info.value)
+
+
+@pytest.mark.mysql
+def test_mysql_job_ids_that_differ_in_case_or_trailing_space_are_apart(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    # MySQL's default collations would call these equal
+    store = SqlStore.from_url(mariadb_server.url, table_name=table_name)
+    try:
+        generations = [_acquire(store, job).generation for job in ("Job", "job", "job ", "jöb")]
+        assert len(generations) == 4
+        assert [r.job_id for r in store.records()] == sorted(
+            ["Job", "job", "job ", "jöb"], key=str.encode
+        )
+    finally:
+        store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_session_limits_follow_the_store_timeout(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    store = SqlStore.from_url(mariadb_server.url, table_name=table_name, timeout=2.5)
+    try:
+        with store.engine.connect() as conn:
+            row = conn.exec_driver_sql(
+                "SELECT @@innodb_lock_wait_timeout, @@lock_wait_timeout, @@max_statement_time"
+            ).one()
+        assert tuple(row) == (3, 3, 2.5)
+    finally:
+        store.close()

@@ -25,7 +25,7 @@ def test_scheme_is_case_insensitive() -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["mysql://localhost/db", "http://localhost:6379", "mongodb://x", "://nothing"]
+    "url", ["oracle://localhost/db", "http://localhost:6379", "mongodb://x", "://nothing"]
 )
 def test_unknown_scheme_is_a_configuration_error(url: str) -> None:
     with pytest.raises(LeaseConfigurationError, match="unknown lease store scheme") as info:
@@ -52,7 +52,7 @@ def test_an_option_the_store_does_not_take_is_a_configuration_error() -> None:
 @pytest.mark.parametrize(
     "url",
     [
-        "mysql://admin:Pa55-secret@localhost/db",
+        "oracle://admin:Pa55-secret@localhost/db",
         "admin:Pa55-secret@localhost:6379",
         "postgresql://admin:Pa55-secret@host:notaport/db",
         "redis://localhost:99999999/0?password=Pa55-secret",
