@@ -201,6 +201,11 @@ class SqlStore(LeaseStore):
             parsed = parsed.set(drivername=f"{parsed.drivername}+pymysql")
         if parsed.get_backend_name() in ("postgresql", *MYSQL_NAMES):
             engine_options.setdefault("pool_pre_ping", True)
+        if parsed.get_backend_name() in MYSQL_NAMES:
+            # Every store call ends its transaction itself (a COMMIT, or the
+            # ROLLBACK of a read's connection on close); the pool's own
+            # ROLLBACK on return would be one more round trip per call.
+            engine_options.setdefault("pool_reset_on_return", None)
         try:
             engine = sa.create_engine(parsed, **engine_options)
         except (ImportError, exc.NoSuchModuleError) as error:

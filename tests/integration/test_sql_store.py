@@ -1018,3 +1018,37 @@ def test_mysql_session_limits_follow_the_store_timeout(
         assert tuple(row) == (3, 3, 2.5)
     finally:
         store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_calls_cost_their_round_trips_and_no_more(
+    mariadb_server: MariadbServer, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pymysql.connections
+
+    store = SqlStore.from_url(mariadb_server.url, table_name=table_name)
+    sent: list[str] = []
+    original = pymysql.connections.Connection._execute_command
+
+    def execute_command(self: Any, command: int, sql: str | bytes) -> Any:
+        text = sql.decode() if isinstance(sql, bytes) else sql
+        sent.append(text.split(" ", 1)[0].upper() if text else "PING")
+        return original(self, command, sql)
+
+    try:
+        warm = _acquire(store, "warm")
+        monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", execute_command)
+        acquired = _acquire(store, "job")
+        assert sent == ["PING", "SELECT", "INSERT", "COMMIT"]  # no ROLLBACK of the pool
+        sent.clear()
+        assert isinstance(store.renew("job", A, acquired.generation, 10), Renewed)
+        assert sent == ["PING", "SELECT", "UPDATE", "COMMIT"]
+        sent.clear()
+        assert isinstance(store.complete("warm", A, warm.generation), Completed)
+        assert sent == ["PING", "UPDATE", "COMMIT"]
+        sent.clear()
+        assert store.get("job") is not None
+        # a read ends its own transaction, so no snapshot outlives the call
+        assert sent == ["PING", "SELECT", "ROLLBACK"]
+    finally:
+        store.close()
