@@ -902,7 +902,7 @@ def bench_one(kind: str, args: argparse.Namespace) -> StoreBench | None:
         run_rounds(bench, args.ops, args.rounds)
         if args.split and kind == "redis":
             split_redis(opened.store, opened.url, args.ops, args.rounds, args.ttl)
-        elif args.split and kind in ("postgres", "sqlite"):
+        elif args.split and kind in ("postgres", "sqlite", "mysql"):
             split_sql(opened.store, args.ops, args.rounds, args.ttl)
         if args.profile:
             print(f"\n--- profile of {args.ops} claim+complete pairs on {kind}")
