@@ -8,6 +8,7 @@ by their own pid.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import glob
 import os
@@ -54,7 +55,49 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30
     raise RuntimeError(f"server on port {port} did not start within {timeout} s")
 
 
-class RedisServer:
+class _ServerProcess(abc.ABC):
+    """A server run as a child process of the tests: stopped, killed and
+    started again by its own pid."""
+
+    #: seconds a SIGTERM may take before SIGKILL
+    STOP_TIMEOUT = 20.0
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start (or start again) on the same port and data folder."""
+
+    def stop(self) -> None:
+        """Stop the server with SIGTERM (a clean shutdown) and wait for it.
+
+        A server a test froze with SIGSTOP is resumed first, or it would not
+        act on the SIGTERM.
+        """
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """Stop the server abruptly with SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class RedisServer(_ServerProcess):
     """A redis-server process with AOF persistence in its own folder."""
 
     def __init__(self, *extra_args: str) -> None:
@@ -89,33 +132,6 @@ class RedisServer:
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for_port(self.port, self.proc)
-
-    def stop(self) -> None:
-        """Stop the server with SIGTERM (it writes its AOF) and wait for it.
-
-        A server a test froze with SIGSTOP is resumed first, or it would not
-        act on the SIGTERM.
-        """
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def kill(self) -> None:
-        """Stop the server abruptly with SIGKILL."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def copy_files(self) -> Path:
         """A copy of the data folder as it is now (AOF and RDB files).
@@ -232,7 +248,7 @@ class PostgresServer:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class MariadbServer:
+class MariadbServer(_ServerProcess):
     """A MariaDB server made with mariadb-install-db and run as a process.
 
     Its data, socket and pid file live in a temporary folder; it listens on
@@ -244,6 +260,7 @@ class MariadbServer:
     USER = "leases"
     PASSWORD = "lease-test-pw"
     DATABASE = "leases"
+    STOP_TIMEOUT = 30.0
 
     def __init__(self, *extra_args: str) -> None:
         binary = shutil.which("mariadbd") or (
@@ -308,29 +325,6 @@ class MariadbServer:
             check=True, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         return reply.stdout
-
-    def stop(self) -> None:
-        """Stop the server with SIGTERM (a clean shutdown) and wait for it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def kill(self) -> None:
-        """Stop the server abruptly with SIGKILL."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def close(self) -> None:
         self.stop()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc
@@ -44,6 +44,7 @@ from celery_leases.stores.base import (
     CompleteResult,
     LeaseRecord,
     LeaseState,
+    Refusal,
     Released,
     ReleaseResult,
     Renewed,
@@ -62,6 +63,9 @@ __all__ = ["MysqlOperations"]
 #: MySQL's error numbers for a claim that raced on a new row
 _DUPLICATE_KEY = 1062
 _DEADLOCK = 1213
+
+#: what a completion or a release returns when it applied
+_Written = TypeVar("_Written", Completed, Released)
 
 #: records locked by one SELECT of a batch renewal
 _BATCH_CHUNK = 500
@@ -267,25 +271,29 @@ class MysqlOperations(Operations):
     def _applied(self, conn: Connection, statement: Any, parameters: dict[str, Any]) -> bool:
         return bool(conn.execute(statement, parameters).rowcount)
 
-    def complete(self, conn: Connection, parameters: dict[str, Any]) -> CompleteResult:
+    def _held_write(
+        self,
+        conn: Connection,
+        statement: Any,
+        parameters: dict[str, Any],
+        success: type[_Written],
+    ) -> _Written | Refusal:
+        """A write on the condition of renew: ``success`` when it applied,
+        else the refusal that the record explains."""
         job_id, owner, generation = (
             parameters["p_job_id"],
             parameters["p_owner"],
             parameters["p_generation"],
         )
-        if self._applied(conn, self.statements.complete, parameters):
-            return Completed(job_id, generation)
+        if self._applied(conn, statement, parameters):
+            return success(job_id, generation)
         return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
 
+    def complete(self, conn: Connection, parameters: dict[str, Any]) -> CompleteResult:
+        return self._held_write(conn, self.statements.complete, parameters, Completed)
+
     def release(self, conn: Connection, parameters: dict[str, Any]) -> ReleaseResult:
-        job_id, owner, generation = (
-            parameters["p_job_id"],
-            parameters["p_owner"],
-            parameters["p_generation"],
-        )
-        if self._applied(conn, self.statements.release, parameters):
-            return Released(job_id, generation)
-        return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
+        return self._held_write(conn, self.statements.release, parameters, Released)
 
     def force_release(self, conn: Connection, parameters: dict[str, Any]) -> LeaseRecord | None:
         # the record as the UPDATE left it (our lock), or as it is when the
