@@ -99,21 +99,23 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'leases.db'}"
 
 
-@pytest.fixture(scope="module")
-def own_postgres() -> Iterator[PostgresServer]:
-    """A PostgreSQL of this module's own, for tests that stop or restart it."""
+@pytest.fixture(scope="module", params=["postgres", pytest.param("mysql", marks=pytest.mark.mysql)])
+def own_server(request: pytest.FixtureRequest) -> Iterator[PostgresServer | MariadbServer]:
+    """A PostgreSQL or MariaDB of this module's own, for tests that stop or restart it."""
     from tests.conftest import serve
 
-    yield from serve(PostgresServer)
+    make: type[PostgresServer] | type[MariadbServer]
+    make = PostgresServer if request.param == "postgres" else MariadbServer
+    yield from serve(make)
 
 
 @pytest.fixture
-def own_postgres_store(own_postgres: PostgresServer, table_name: str) -> Iterator[SqlStore]:
-    store = SqlStore.from_url(own_postgres.url, table_name=table_name)
+def own_store(own_server: PostgresServer | MariadbServer, table_name: str) -> Iterator[SqlStore]:
+    store = SqlStore.from_url(own_server.url, table_name=table_name)
     yield store
     # a test may have left the server stopped
-    if not _port_open(own_postgres.port):
-        own_postgres.start()
+    if not _port_open(own_server.port):
+        own_server.start()
     store.close()
 
 
@@ -647,13 +649,13 @@ def sql_store_release(store: SqlStore, acquired: Acquired) -> bool:
     return isinstance(store.release(acquired.job_id, acquired.owner, acquired.generation), Released)
 
 
-def test_postgres_restart_keeps_generations_going_up(
-    own_postgres: PostgresServer, own_postgres_store: SqlStore
+def test_restart_keeps_generations_going_up(
+    own_server: PostgresServer | MariadbServer, own_store: SqlStore
 ) -> None:
-    store = own_postgres_store
+    store = own_store
     first = _acquire(store, "job")
     assert isinstance(store.release("job", A, first.generation), Released)
-    own_postgres.restart()
+    own_server.restart()
     # the same store object reconnects (pool_pre_ping) and the record survived
     second = _acquire(store, "job", owner=B)
     assert second.generation == max(first.generation + 1, second.store_now_ms)
@@ -661,35 +663,35 @@ def test_postgres_restart_keeps_generations_going_up(
     _backdate_completion(store, "job", seconds=120)
     assert store.purge_completed(60) == 1
     assert store.get("job") is None
-    own_postgres.restart()
+    own_server.restart()
     third = _acquire(store, "job")
     assert third.generation > second.generation
 
 
-def test_postgres_stopped_makes_every_operation_store_unavailable(
-    own_postgres: PostgresServer, own_postgres_store: SqlStore
+def test_a_stopped_database_makes_every_operation_store_unavailable(
+    own_server: PostgresServer | MariadbServer, own_store: SqlStore
 ) -> None:
-    store = own_postgres_store
+    store = own_store
     held = _acquire(store, "held")
-    own_postgres.stop()
+    own_server.stop()
     calls = every_operation(store, "held", A, held.generation, 10)
     for name, call in calls.items():
         with pytest.raises(StoreUnavailable) as info:
             call()
         assert isinstance(info.value.__cause__, sa.exc.DBAPIError), name
         assert store.url in str(info.value), name
-    own_postgres.start()
+    own_server.start()
     # nothing happened while it was down: the lease is still A's, "held-new" unknown
     assert store.get("held-new") is None
     assert isinstance(store.renew("held", A, held.generation, 10), Renewed)
 
 
 def test_store_unavailable_names_job_owner_and_generation(
-    own_postgres: PostgresServer, own_postgres_store: SqlStore
+    own_server: PostgresServer | MariadbServer, own_store: SqlStore
 ) -> None:
-    store = own_postgres_store
+    store = own_store
     held = _acquire(store, "held")
-    own_postgres.stop()
+    own_server.stop()
     with pytest.raises(StoreUnavailable, match="during complete of job 'held'") as info:
         store.complete("held", A, held.generation)
     assert (info.value.job_id, info.value.owner, info.value.generation) == (

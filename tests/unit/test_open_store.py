@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from celery_leases import LeaseConfigurationError, LeaseError, open_store
@@ -63,3 +65,11 @@ def test_url_errors_never_show_the_password(url: str) -> None:
         open_store(url)
     assert "Pa55-secret" not in str(info.value)
     assert "***" in str(info.value)
+
+
+def test_a_missing_mysql_driver_names_the_mysql_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.setitem(sys.modules, "pymysql", None)  # import pymysql now fails
+    with pytest.raises(LeaseConfigurationError, match=r"celery-leases\[mysql\]") as info:
+        open_store("mysql+pymysql://app:Pa55-secret@localhost/db")
+    assert "Pa55-secret" not in str(info.value)
