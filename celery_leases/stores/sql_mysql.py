@@ -227,7 +227,8 @@ class MysqlOperations(Operations):
             parameters["p_generation"],
             parameters["p_ttl_ms"],
         )
-        return self._renew_locked(conn, [request])[0]
+        # one job: its unreadable record is an error, as every store raises it
+        return self._renew_locked(conn, [request], unreadable_raises=True)[0]
 
     def renew_many(self, conn: Connection, requests: Sequence[RenewRequest]) -> list[RenewResult]:
         """Lock the batch's records, judge each request, renew the current
@@ -237,7 +238,11 @@ class MysqlOperations(Operations):
         )
 
     def _renew_locked(
-        self, conn: Connection, requests: Sequence[tuple[str, str, int, int]]
+        self,
+        conn: Connection,
+        requests: Sequence[tuple[str, str, int, int]],
+        *,
+        unreadable_raises: bool = False,
     ) -> list[RenewResult]:
         results: list[RenewResult] = []
         for start in range(0, len(requests), _BATCH_CHUNK):
@@ -247,6 +252,8 @@ class MysqlOperations(Operations):
             for job_id, owner, generation, ttl_ms in chunk:
                 record = records.get(job_id)
                 if isinstance(record, LeaseRecordUnreadable):
+                    if unreadable_raises:
+                        raise record
                     # one bad record must not stop the heartbeat of every other lease
                     results.append(unreadable_refusal(job_id, owner, generation))
                 elif (
