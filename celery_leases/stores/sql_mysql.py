@@ -154,7 +154,9 @@ class MysqlOperations(Operations):
     ) -> tuple[int, dict[str, LeaseRecord | LeaseRecordUnreadable]]:
         """The clock and the records of ``job_ids``, each now locked."""
         rows = conn.execute(self.mysql.lock_records, {"p_job_ids": list(job_ids)}).all()
-        records = {row.job_id: self.readable(row._mapping) for row in rows if row.job_id}
+        records = {
+            row.job_id: self.readable(row._mapping) for row in rows if row.job_id is not None
+        }
         return int(rows[0].now), records
 
     # -- claim ----------------------------------------------------------------
