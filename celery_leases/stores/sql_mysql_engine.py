@@ -4,12 +4,13 @@ Used by :mod:`celery_leases.stores.sql_engine`. Every wait is bounded, as
 for PostgreSQL:
 
 - ``connect_timeout`` for a new connection;
-- ``read_timeout`` and ``write_timeout`` on the socket, and, inside the
-  store's calls, a limit on each wait for a reply that is also kept below
-  the caller's deadline (:func:`~celery_leases.stores.deadline.reply_limit`).
-  A proxy or a half-open path can acknowledge every packet and never answer;
-  past the limit PyMySQL closes the socket and SQLAlchemy discards the
-  connection (and every connection pooled before it);
+- inside the store's calls, a limit on each wait for a reply and on each
+  write to the socket (``timeout`` plus a margin), kept below the caller's
+  deadline (:func:`~celery_leases.stores.deadline.reply_limit`). A proxy or a
+  half-open path can acknowledge every packet and never answer; past the
+  limit PyMySQL closes the socket and SQLAlchemy discards the connection
+  (and every connection pooled before it). Outside them the engine's other
+  users keep their own ``read_timeout`` and ``write_timeout``;
 - on engines the store opens itself, the server's own limits on each
   session: ``innodb_lock_wait_timeout`` and ``lock_wait_timeout`` (whole
   seconds), and ``max_statement_time`` (MariaDB) or ``max_execution_time``
@@ -27,7 +28,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from celery_leases.errors import LeaseConfigurationError
-from celery_leases.stores.deadline import REPLY_MARGIN, reply_limit
+from celery_leases.stores.deadline import reply_limit
 
 __all__ = ["prepare_mysql_engine"]
 
@@ -93,10 +94,10 @@ class _MysqlOnConnect:
     def __call__(
         self, dialect: Any, connection_record: Any, cargs: list[Any], cparams: dict[str, Any]
     ) -> Any:
-        socket_timeout = self.timeout + REPLY_MARGIN
+        # read_timeout and write_timeout stay the caller's: the store's own
+        # calls get their limit from store_waits, other users of the engine
+        # keep their behaviour
         cparams.setdefault("connect_timeout", max(1, math.ceil(self.timeout)))
-        cparams.setdefault("read_timeout", socket_timeout)
-        cparams.setdefault("write_timeout", socket_timeout)
         connection = _bounded_connection_class()(*cargs, **cparams)
         if self.server_limits:
             self._set_server_limits(connection, str(cparams.get("init_command") or ""))

@@ -1054,3 +1054,18 @@ def test_mysql_calls_cost_their_round_trips_and_no_more(
         assert sent == ["PING", "SELECT", "ROLLBACK"]
     finally:
         store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_engine_passed_in_keeps_its_waits_outside_the_stores_calls(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    engine = sa.create_engine(mariadb_server.url)
+    store = SqlStore(engine, table_name=table_name, timeout=1.0)
+    try:
+        assert isinstance(store.claim("job", A, 10), Acquired)
+        with engine.connect() as conn:
+            # longer than the store's limit of 1 s on each of its own waits
+            assert conn.exec_driver_sql("SELECT SLEEP(2)").scalar_one() == 0
+    finally:
+        engine.dispose()
