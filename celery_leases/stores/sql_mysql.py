@@ -1,29 +1,30 @@
 """The SQL lease store's operations on MySQL and MariaDB (InnoDB).
 
 Used by :mod:`celery_leases.stores.sql`. MySQL has no ``UPDATE ...
-RETURNING`` and its upsert cannot report whether it took a row over, so a
-claim and a renewal decide under the records' row locks instead, in one
-transaction::
+RETURNING`` and its upsert has no condition, so a claim and a renewal
+decide on records they hold locked, in one transaction::
 
     BEGIN (implicit)
+    INSERT INTO t (...) VALUES (..., generation = LAST_INSERT_ID(now), ...)
+        ON DUPLICATE KEY UPDATE job_id = IF(LAST_INSERT_ID(marker), job_id, job_id)
+                                     -- a first claim: done, the insert id
+                                     -- is its generation; else the record
+                                     -- is now locked and the id the marker
     SELECT now, t.* FROM (SELECT now) n LEFT JOIN t ON t.job_id IN (...)
-        FOR UPDATE                   -- waits for a writer, then locks
-    decide in Python, on the locked rows and that clock reading
-    INSERT / UPDATE ... WHERE job_id = ... AND generation = <as read>
+        FOR UPDATE                   -- the clock and the locked record
+    decide in Python, on the record and that clock reading
+    UPDATE ... WHERE job_id = ... AND generation = <as read>   (a takeover)
     COMMIT
 
-The clock is read once, at the locking SELECT's start: a claim that waited
-for a lock judges the lease by an earlier instant (the lease looks longer
-than it is, never shorter), and the new ``lease_until`` counts from that
-instant, so the store's lease never ends after the worker's own deadline.
-Completion, release and an operator's release are one conditional UPDATE;
-its row count (1 or 0: each changes a column it matched on) says whether
-it applied.
-
-Two first claims of a new job race on a row that does not exist yet: under
-REPEATABLE READ both lock the gap and one is ended as a deadlock, under
-READ COMMITTED one insert meets the other's key. Either way that claim is
-made again in a new transaction, where the row exists and its lock decides.
+The upsert takes the record's lock exclusively at once: concurrent claims
+of one job wait in turn on its key, where a locking read of a missing row
+would lock the gap and deadlock them. The clock of a decision is read at
+the locking SELECT's start, after the lock was granted, and the new
+``lease_until`` counts from it. A renewal locks its records with that
+SELECT (a batch in job_id order) and updates the current ones. Completion,
+release and an operator's release are one conditional UPDATE; its row count
+(1 or 0: each changes a column it matched on) says whether it applied.
+A transaction InnoDB ends as a deadlock is a claim made again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseRecordUnreadable
@@ -60,9 +62,12 @@ from celery_leases.stores.sql_table import _Dialect
 
 __all__ = ["MysqlOperations"]
 
-#: MySQL's error numbers for a claim that raced on a new row
-_DUPLICATE_KEY = 1062
+#: MySQL's error number of a transaction ended as a deadlock
 _DEADLOCK = 1213
+
+#: the insert id of a claim that found the job's record (an insert reports
+#: the new generation, far below this)
+_ROW_EXISTED = 2**64 - 1
 
 #: what a completion or a release returns when it applied
 _Written = TypeVar("_Written", Completed, Released)
@@ -76,6 +81,32 @@ def _error_number(error: exc.DBAPIError) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
+def _claim_upsert(t: sa.Table, dialect: _Dialect) -> Any:
+    """INSERT the first claim of a job, or lock its record and change nothing.
+
+    ``LAST_INSERT_ID(expr)`` sets the statement's insert id, which the reply
+    carries: a new row reports its generation (the clock), an existing one
+    :data:`_ROW_EXISTED`, set in the ``ON DUPLICATE KEY UPDATE`` branch. The
+    duplicate takes the row's lock exclusively at once, so concurrent first
+    claims of a job wait in turn on its key, with no gap lock to deadlock on.
+    """
+    now = dialect.now_ms()
+    insert = mysql.insert(t).values(
+        job_id=sa.bindparam("p_job_id"),
+        owner=sa.bindparam("p_owner"),
+        generation=sa.func.LAST_INSERT_ID(now, type_=sa.BigInteger),
+        lease_until=now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
+        state=LeaseState.HELD.value,
+        task_name=sa.bindparam("p_task_name"),
+        claimed_at=now,
+        renew_count=0,
+        takeovers=0,
+        send_id=sa.bindparam("p_send_id"),
+    )
+    keep = sa.func.IF(sa.func.LAST_INSERT_ID(_ROW_EXISTED), t.c.job_id, t.c.job_id)
+    return insert.on_duplicate_key_update(job_id=keep)
+
+
 @dataclass(frozen=True)
 class _MysqlStatements:
     """MySQL's own statements, built once per store."""
@@ -83,8 +114,8 @@ class _MysqlStatements:
     #: the clock, and the records of ``:p_job_ids`` locked FOR UPDATE (one
     #: row of NULLs when none exists)
     lock_records: Any
-    #: a job's first claim, with values decided from ``:p_now``
-    insert_claim: Any
+    #: a job's first claim, or the lock of its record (see _claim_locked)
+    claim_upsert: Any
     #: a takeover of the record as it was read (``:p_old_generation``)
     takeover: Any
     #: the renewal of the locked records ``:p_job_ids``
@@ -117,7 +148,7 @@ class _MysqlStatements:
                 .order_by(t.c.job_id)
                 .with_for_update()
             ),
-            insert_claim=sa.insert(t).values(job_id=sa.bindparam("p_job_id"), **claim_values),
+            claim_upsert=_claim_upsert(t, dialect),
             takeover=(
                 sa.update(t)
                 .values(
@@ -162,38 +193,33 @@ class MysqlOperations(Operations):
     # -- claim ----------------------------------------------------------------
 
     def claim_in_turns(self, engine: Engine, parameters: dict[str, Any]) -> ClaimResult:
-        """Claim in a transaction of its own; again in a new one when it
-        raced another first claim of the job (see the module's docstring)."""
+        """Claim in a transaction of its own; again in a new one when InnoDB
+        ended it as a deadlock (the server rolled it back)."""
         for _ in range(CLAIM_ATTEMPTS):
             try:
                 with engine.begin() as conn:
-                    result = self._claim_locked(conn, parameters)
+                    return self._claim_locked(conn, parameters)
             except exc.OperationalError as error:
                 if _error_number(error) != _DEADLOCK:
                     raise
-                continue  # the server rolled the transaction back
-            if result is not None:
-                return result
         raise self._undecided(parameters)
 
-    def _claim_locked(self, conn: Connection, parameters: dict[str, Any]) -> ClaimResult | None:
-        """The claim on the locked record; None when a first claim of the
-        job committed between our read and our insert."""
+    def _claim_locked(self, conn: Connection, parameters: dict[str, Any]) -> ClaimResult:
+        """The first claim of a job in one upsert; otherwise a decision on
+        its record, which that upsert locked."""
         job_id, owner = parameters["p_job_id"], parameters["p_owner"]
         ttl_ms = parameters["p_ttl_ms"]
+        generation = conn.execute(self.mysql.claim_upsert, parameters).lastrowid
+        if generation != _ROW_EXISTED:
+            if not generation:  # a server that does not report LAST_INSERT_ID(expr)
+                row = conn.execute(self.statements.record, {"p_job_id": job_id}).one()
+                generation = row.generation
+            return Acquired(job_id, owner, generation, generation + ttl_ms, generation, 0)
         now, records = self._locked(conn, [job_id])
         found = records.get(job_id)
+        if found is None:  # cannot happen while the row is locked; refuse rather than guess
+            raise self._undecided(parameters)
         values = {**parameters, "p_now": now}
-        if found is None:
-            try:
-                conn.execute(
-                    self.mysql.insert_claim, {**values, "p_generation": now, "p_takeovers": 0}
-                )
-            except exc.IntegrityError as error:
-                if _error_number(error) != _DUPLICATE_KEY:
-                    raise
-                return None
-            return Acquired(job_id, owner, now, now + ttl_ms, now, 0)
         if isinstance(found, LeaseRecordUnreadable):
             raise found
         decided = self._judge(found, now, parameters["p_send_id"] or None)
