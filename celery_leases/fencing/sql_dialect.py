@@ -24,7 +24,7 @@ from sqlalchemy.sql.expression import ColumnElement
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing import OnRepeat
-from celery_leases.stores.sql_table import MYSQL_NAMES, MYSQL_NOW_MS
+from celery_leases.stores.sql_table import MYSQL_NAMES, MYSQL_NOW_MS, MYSQL_ROW_EXISTED
 
 __all__ = ["MYSQL_NOW_MS", "POSTGRES_NOW_MS", "SQLITE_NOW_MS"]
 
@@ -38,11 +38,6 @@ SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTE
 
 def _is_mysql(conn: Connection) -> bool:
     return conn.dialect.name in MYSQL_NAMES
-
-
-#: what LAST_INSERT_ID is set to when an upsert found its row: an insert
-#: reports 0, or the AUTO_INCREMENT value it wrote, never this
-_ROW_EXISTED = 2**64 - 1
 
 
 def _lock_or_insert(
@@ -72,12 +67,12 @@ def _lock_or_insert(
         .on_duplicate_key_update(
             {
                 first: sa.func.IF(
-                    sa.func.LAST_INSERT_ID(_ROW_EXISTED), table.c[first], table.c[first]
+                    sa.func.LAST_INSERT_ID(MYSQL_ROW_EXISTED), table.c[first], table.c[first]
                 )
             }
         )
     )
-    if conn.execute(statement).lastrowid != _ROW_EXISTED:
+    if conn.execute(statement).lastrowid != MYSQL_ROW_EXISTED:
         return None
     locate = (
         sa.select(*columns)

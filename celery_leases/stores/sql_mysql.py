@@ -58,16 +58,12 @@ from celery_leases.stores.base import (
 )
 from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
 from celery_leases.stores.sql_statements import _Statements
-from celery_leases.stores.sql_table import _Dialect
+from celery_leases.stores.sql_table import MYSQL_ROW_EXISTED, _Dialect
 
 __all__ = ["MysqlOperations"]
 
 #: MySQL's error number of a transaction ended as a deadlock
 _DEADLOCK = 1213
-
-#: the insert id of a claim that found the job's record (an insert reports
-#: the new generation, far below this)
-_ROW_EXISTED = 2**64 - 1
 
 #: what a completion or a release returns when it applied
 _Written = TypeVar("_Written", Completed, Released)
@@ -86,8 +82,8 @@ def _claim_upsert(t: sa.Table, dialect: _Dialect) -> Any:
 
     ``LAST_INSERT_ID(expr)`` sets the statement's insert id, which the reply
     carries: a new row reports its generation (the clock), an existing one
-    :data:`_ROW_EXISTED`, set in the ``ON DUPLICATE KEY UPDATE`` branch. The
-    duplicate takes the row's lock exclusively at once, so concurrent first
+    ``MYSQL_ROW_EXISTED``, set in the ``ON DUPLICATE KEY UPDATE`` branch.
+    The duplicate takes the row's lock exclusively at once, so concurrent first
     claims of a job wait in turn on its key, with no gap lock to deadlock on.
     """
     now = dialect.now_ms()
@@ -103,7 +99,7 @@ def _claim_upsert(t: sa.Table, dialect: _Dialect) -> Any:
         takeovers=0,
         send_id=sa.bindparam("p_send_id"),
     )
-    keep = sa.func.IF(sa.func.LAST_INSERT_ID(_ROW_EXISTED), t.c.job_id, t.c.job_id)
+    keep = sa.func.IF(sa.func.LAST_INSERT_ID(MYSQL_ROW_EXISTED), t.c.job_id, t.c.job_id)
     return insert.on_duplicate_key_update(job_id=keep)
 
 
@@ -210,7 +206,7 @@ class MysqlOperations(Operations):
         job_id, owner = parameters["p_job_id"], parameters["p_owner"]
         ttl_ms = parameters["p_ttl_ms"]
         generation = conn.execute(self.mysql.claim_upsert, parameters).lastrowid
-        if generation != _ROW_EXISTED:
+        if generation != MYSQL_ROW_EXISTED:
             if not generation:  # a server that does not report LAST_INSERT_ID(expr)
                 row = conn.execute(self.statements.record, {"p_job_id": job_id}).one()
                 generation = row.generation

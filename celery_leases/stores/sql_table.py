@@ -49,6 +49,11 @@ MYSQL_NOW_MS = (
 #: the names SQLAlchemy gives MySQL's dialects
 MYSQL_NAMES = ("mysql", "mariadb")
 
+#: MySQL: what an upsert sets LAST_INSERT_ID() to when it found its row, so
+#: that its reply tells a found row from an insert (which reports 0, the
+#: AUTO_INCREMENT value or the generation it wrote, never this)
+MYSQL_ROW_EXISTED = 2**64 - 1
+
 #: Option on connections that only read: SQLite then begins a deferred
 #: transaction instead of taking the write lock.
 _READ_ONLY_OPTION = "celery_leases_read_only"
