@@ -1,13 +1,15 @@
 """Benchmark the lease stores against baselines measured in the same run.
 
-For each store (memory, redis, postgres, sqlite) it times claim, renew,
+For each store (memory, redis, postgres, sqlite, mysql) it times claim, renew,
 complete and claim-after-release, and compares them with what the same
 server and connection can do without the library:
 
 - Redis: claim+complete pairs against redis-py ``Lock`` acquire+release
   pairs and against bare ``PING``, on the store's own client;
-- PostgreSQL and SQLite: claim against ``SELECT 1`` through ``store.engine``
-  (on PostgreSQL also in autocommit, as the store runs, which sets the target);
+- PostgreSQL, SQLite and MySQL: claim against ``SELECT 1`` through
+  ``store.engine`` (on PostgreSQL also in autocommit, as the store runs, which
+  sets the target; on MySQL a claim is a transaction of two statements and a
+  COMMIT, so its ratio is shown for information);
 - every store: one ``renew_many`` of ``--batch`` leases against as many
   single renews.
 
@@ -16,7 +18,7 @@ order of the cases rotates from round to round, and the table reports the
 median of the rounds and ratios of medians taken in the same run. Loops are
 sequential on one connection: they measure latency, like the baselines.
 
-The script starts its own throwaway redis-server and PostgreSQL (from
+The script starts its own throwaway redis-server, PostgreSQL and MariaDB (from
 ``tests/servers.py``) and SQLite in a temporary folder, and always stops
 them. Run it from the repository root::
 
@@ -62,9 +64,14 @@ from celery_leases import (  # noqa: E402 - needs ROOT on sys.path
     RenewRequest,
     open_store,
 )
-from tests.servers import PostgresServer, RedisServer, ServerMissing  # noqa: E402
+from tests.servers import (  # noqa: E402
+    MariadbServer,
+    PostgresServer,
+    RedisServer,
+    ServerMissing,
+)
 
-STORE_KINDS = ("memory", "redis", "postgres", "sqlite")
+STORE_KINDS = ("memory", "redis", "postgres", "sqlite", "mysql")
 
 #: A case runs ``n`` operations and returns the seconds the timed part took.
 Case = Callable[[int], float]
@@ -449,6 +456,11 @@ def open_kind(kind: str, fsync: str, unique: str, pre_ping: bool = True) -> Open
             cleanup.append(pg_server.close)
             url = pg_server.url
             options = {"table_name": f"bench_{unique}", "pool_pre_ping": pre_ping}
+        elif kind == "mysql":
+            mariadb_server = MariadbServer()
+            cleanup.append(mariadb_server.close)
+            url = mariadb_server.url
+            options = {"table_name": f"bench_{unique}"}
         elif kind == "sqlite":
             folder = tempfile.mkdtemp(prefix="leases-bench-sqlite-")
             cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
@@ -511,7 +523,7 @@ def build_bench(kind: str, opened: Opened, args: argparse.Namespace) -> StoreBen
             Target("claim / SELECT 1 autocommit", "claim", "SELECT 1 autocommit", limit=0.5),
             Target("claim / SELECT 1", "claim", "SELECT 1"),
         ]
-    elif kind == "sqlite":
+    elif kind in ("sqlite", "mysql"):
         cases.update(sql_cases(store, kind))
         bench.targets.insert(0, Target("claim / SELECT 1", "claim", "SELECT 1"))
     return bench
@@ -594,7 +606,7 @@ def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) ->
     leaves out the network, the client and the AOF fsync, which Redis does
     after the command, before it answers.
     """
-    from celery_leases.stores.redis import CLAIM_SCRIPT, COMPLETE_SCRIPT
+    from celery_leases.stores.redis_scripts import CLAIM_SCRIPT, COMPLETE_SCRIPT
 
     client, _ = _redis_client(store, url)
     shas = (_text(client.script_load(CLAIM_SCRIPT)), _text(client.script_load(COMPLETE_SCRIPT)))
@@ -890,7 +902,7 @@ def bench_one(kind: str, args: argparse.Namespace) -> StoreBench | None:
         run_rounds(bench, args.ops, args.rounds)
         if args.split and kind == "redis":
             split_redis(opened.store, opened.url, args.ops, args.rounds, args.ttl)
-        elif args.split and kind in ("postgres", "sqlite"):
+        elif args.split and kind in ("postgres", "sqlite", "mysql"):
             split_sql(opened.store, args.ops, args.rounds, args.ttl)
         if args.profile:
             print(f"\n--- profile of {args.ops} claim+complete pairs on {kind}")

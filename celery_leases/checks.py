@@ -16,7 +16,7 @@ from typing import Any, Literal
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.runtime import forget_runtime, settings_for
 from celery_leases.spelling import misspelled_settings
-from celery_leases.stores import open_store
+from celery_leases.stores import is_sql_url, open_store
 from celery_leases.worker import check_app
 
 __all__ = ["Check", "run_checks"]
@@ -54,7 +54,7 @@ def run_checks(app: Any) -> list[Check]:
     report.append(
         Check("settings", "ok", f"store {_scheme(settings.store_url)}://, ttl {settings.ttl:g} s")
     )
-    if _is_sql(settings.store_url):
+    if is_sql_url(settings.store_url):
         # the worker's start checks would create a missing table; a check must not
         options = {**dict(settings.store_options), "create_table": False}
         app.conf.leases_store_options = options
@@ -93,12 +93,8 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0]
 
 
-def _is_sql(url: str) -> bool:
-    return _scheme(url).lower().startswith(("postgresql", "sqlite"))
-
-
 def _store_checks(url: str, options: dict[str, Any]) -> list[Check]:
-    if _is_sql(url):
+    if is_sql_url(url):
         options["create_table"] = False
     try:
         store = open_store(url, **options)

@@ -41,7 +41,7 @@ from celery_leases.errors import (
 from celery_leases.purge import purge_records
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import settings_for
-from celery_leases.stores import LeaseStore, open_store, scheme_is_known
+from celery_leases.stores import LeaseStore, is_sql_url, open_store, scheme_is_known
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 
 __all__ = [
@@ -59,7 +59,6 @@ EXIT_UNAVAILABLE = 4
 EXIT_CONFIGURATION = 5
 EXIT_REFUSED = 6
 
-_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
 _SORT_KEYS = {
     "job": lambda r: r.job_id,
     "lease-until": lambda r: r.lease_until_ms,
@@ -101,8 +100,7 @@ def _errors(ctx: click.Context, url: str) -> Iterator[None]:
         _fail(ctx, EXIT_UNAVAILABLE, mask(str(exc), secrets=secrets_of(url)))
     except LeaseConfigurationError as exc:
         message = mask(str(exc), secrets=secrets_of(url))
-        sql = url.split("://", 1)[0].lower() in _SQL_SCHEMES
-        if sql and "table" in message and "init-db" not in ctx.command_path:
+        if is_sql_url(url) and "table" in message and "init-db" not in ctx.command_path:
             message += " A new database needs its table first: celery leases init-db."
         _fail(ctx, EXIT_CONFIGURATION, message)
 
@@ -119,7 +117,7 @@ def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseS
         # (django://): prepare the app as a worker would, which starts it
         app.loader.import_default_modules()
     options = dict(settings.store_options)
-    if url.split("://", 1)[0].lower() in _SQL_SCHEMES:
+    if is_sql_url(url):
         options["create_table"] = create_table
     # the server's settings are reported by `check`, not after every listing
     with _errors(ctx, url), warnings.catch_warnings():

@@ -2,7 +2,7 @@
 
 Locally, a server whose binaries are missing skips the tests that need it,
 with a message. With ``CI=true`` it fails them instead, so CI can never pass
-without really exercising Redis and PostgreSQL.
+without really exercising Redis, PostgreSQL and MariaDB.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ import pytest
 
 from celery_leases import LeaseStore, open_store
 from tests.broker_servers import RabbitServer, SqsServer
-from tests.servers import PostgresServer, RedisCluster, RedisServer, ServerMissing
+from tests.servers import (
+    MariadbServer,
+    PostgresServer,
+    RedisCluster,
+    RedisServer,
+    ServerMissing,
+)
 from tests.store_clock import StoreClock
 
 #: the Django tests need Django configured, once per process: they run under
@@ -26,7 +32,7 @@ collect_ignore = ["django_app"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-STORE_KINDS = ["memory", "redis", "postgres", "sqlite"]
+STORE_KINDS = ["memory", "redis", "postgres", "sqlite", "mysql"]
 
 
 def _unavailable(reason: str) -> None:
@@ -35,7 +41,7 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-Server = TypeVar("Server", RedisServer, PostgresServer, RedisCluster)
+Server = TypeVar("Server", RedisServer, PostgresServer, RedisCluster, MariadbServer)
 
 
 def serve(make: Callable[[], Server]) -> Generator[Server, None, None]:
@@ -102,6 +108,12 @@ def sqs_server() -> Iterator[SqsServer]:
 
 
 @pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[MariadbServer]:
+    """A MariaDB server shared by the session (tests use their own tables)."""
+    yield from serve(MariadbServer)
+
+
+@pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """3 masters and 3 replicas, shared by the session (tests use their own prefix)."""
     yield from serve(RedisCluster)
@@ -137,6 +149,9 @@ def store_url(
     if store_kind == "postgres":
         pg: PostgresServer = request.getfixturevalue("postgres_server")
         return pg.url, {"table_name": f"leases_{unique}"}
+    if store_kind == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url, {"table_name": f"leases_{unique}"}
     if store_kind == "sqlite":
         return f"sqlite:///{tmp_path / 'leases.db'}", {"table_name": f"leases_{unique}"}
     raise AssertionError(store_kind)

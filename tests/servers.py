@@ -1,4 +1,4 @@
-"""Throwaway servers for the test session: redis-server and PostgreSQL.
+"""Throwaway servers for the test session: redis-server, PostgreSQL and MariaDB.
 
 Each server is a real process on a free port bound to 127.0.0.1, with its
 data in a temporary folder. It can be stopped and started again on the same
@@ -8,6 +8,7 @@ by their own pid.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import glob
 import os
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 __all__ = [
+    "MariadbServer",
     "PostgresServer",
     "RedisCluster",
     "RedisServer",
@@ -53,13 +55,56 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30
     raise RuntimeError(f"server on port {port} did not start within {timeout} s")
 
 
-class RedisServer:
+class _ServerProcess(abc.ABC):
+    """A server run as a child process of the tests: stopped, killed and
+    started again by its own pid."""
+
+    #: seconds a SIGTERM may take before SIGKILL
+    STOP_TIMEOUT = 20.0
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start (or start again) on the same port and data folder."""
+
+    def stop(self) -> None:
+        """Stop the server with SIGTERM (a clean shutdown) and wait for it.
+
+        A server a test froze with SIGSTOP is resumed first, or it would not
+        act on the SIGTERM.
+        """
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """Stop the server abruptly with SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class RedisServer(_ServerProcess):
     """A redis-server process with AOF persistence in its own folder.
 
     ``env`` is added to the server's environment (a test clock, say).
     """
 
     def __init__(self, *extra_args: str, env: dict[str, str] | None = None) -> None:
+        self.env = env or {}
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServerMissing("redis-server is not installed (apt-get install redis-server)")
@@ -67,7 +112,6 @@ class RedisServer:
         self.dir = Path(tempfile.mkdtemp(prefix="leases-redis-"))
         self.port = free_port()
         self.extra_args = extra_args
-        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -97,33 +141,6 @@ class RedisServer:
             env={**os.environ, **self.env},
         )
         _wait_for_port(self.port, self.proc)
-
-    def stop(self) -> None:
-        """Stop the server with SIGTERM (it writes its AOF) and wait for it.
-
-        A server a test froze with SIGSTOP is resumed first, or it would not
-        act on the SIGTERM.
-        """
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def kill(self) -> None:
-        """Stop the server abruptly with SIGKILL."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def copy_files(self) -> Path:
         """A copy of the data folder as it is now (AOF and RDB files).
@@ -175,8 +192,8 @@ class PostgresServer:
     """
 
     def __init__(self, *settings: str, env: dict[str, str] | None = None) -> None:
-        self.bin = find_postgres_bin()
         self.env = env or {}
+        self.bin = find_postgres_bin()
         #: extra ``name=value`` server settings, given as ``-c`` options
         self.settings = settings
         self.root = Path(tempfile.mkdtemp(prefix="leases-pg-"))
@@ -245,6 +262,89 @@ class PostgresServer:
 
     def close(self) -> None:
         self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class MariadbServer(_ServerProcess):
+    """A MariaDB server made with mariadb-install-db and run as a process.
+
+    Its data, socket and pid file live in a temporary folder; it listens on
+    a free port of 127.0.0.1. The store connects as ``leases`` with a
+    password (root keeps the socket's authentication). As root, the server
+    runs as root (``--user=root``).
+    """
+
+    USER = "leases"
+    PASSWORD = "lease-test-pw"
+    DATABASE = "leases"
+    STOP_TIMEOUT = 30.0
+
+    def __init__(self, *extra_args: str) -> None:
+        binary = shutil.which("mariadbd") or (
+            "/usr/sbin/mariadbd" if os.path.exists("/usr/sbin/mariadbd") else None
+        )
+        install = shutil.which("mariadb-install-db")
+        if binary is None or install is None:
+            raise ServerMissing("MariaDB is not installed (apt-get install mariadb-server)")
+        self.binary = binary
+        self.root = Path(tempfile.mkdtemp(prefix="leases-mariadb-"))
+        self.data = self.root / "data"
+        self.socket = self.root / "mariadb.sock"
+        self.port = free_port()
+        #: more server options, after (and so above) the defaults
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        user = ["--user=root"] if os.geteuid() == 0 else []
+        subprocess.run(
+            [
+                install, "--no-defaults", f"--datadir={self.data}",
+                "--auth-root-authentication-method=socket", "--skip-test-db", *user,
+            ],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        self.start()
+        self.sql(
+            f"CREATE DATABASE {self.DATABASE};"
+            f"CREATE USER '{self.USER}'@'127.0.0.1' IDENTIFIED BY '{self.PASSWORD}';"
+            f"GRANT ALL ON {self.DATABASE}.* TO '{self.USER}'@'127.0.0.1';"
+        )
+
+    @property
+    def url(self) -> str:
+        return f"mysql+pymysql://{self.USER}:{self.PASSWORD}@127.0.0.1:{self.port}/{self.DATABASE}"
+
+    def start(self) -> None:
+        """Start (or start again) on the same port and data folder."""
+        args = [
+            self.binary,
+            "--no-defaults",
+            f"--datadir={self.data}",
+            f"--socket={self.socket}",
+            f"--pid-file={self.root / 'mariadb.pid'}",
+            f"--log-error={self.root / 'mariadb.log'}",
+            "--bind-address=127.0.0.1",
+            f"--port={self.port}",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=16M",
+            "--innodb-log-file-size=16M",
+            "--innodb-flush-log-at-trx-commit=2",
+            "--max-connections=200",
+            *(["--user=root"] if os.geteuid() == 0 else []),
+            *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.port, self.proc, timeout=60.0)
+
+    def sql(self, script: str) -> str:
+        """Run ``script`` as root over the socket; its output."""
+        reply = subprocess.run(
+            ["mariadb", "--no-defaults", f"--socket={self.socket}", "-uroot", "-N", "-e", script],
+            check=True, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        return reply.stdout
+
+    def close(self) -> None:
+        self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
 

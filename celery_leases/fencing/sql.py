@@ -1,4 +1,4 @@
-"""Fenced writes to SQL tables (PostgreSQL and SQLite, SQLAlchemy Core).
+"""Fenced writes to SQL tables (PostgreSQL, SQLite, MySQL/MariaDB; SQLAlchemy Core).
 
 Three forms, from the most general to the strongest:
 
@@ -21,7 +21,7 @@ through unchanged: the connection and its transaction are yours.
 from __future__ import annotations
 
 from celery_leases.fencing.sql_column import DEFAULT_FENCE_COLUMN, fenced_update, fenced_upsert
-from celery_leases.fencing.sql_dialect import POSTGRES_NOW_MS, SQLITE_NOW_MS
+from celery_leases.fencing.sql_dialect import MYSQL_NOW_MS, POSTGRES_NOW_MS, SQLITE_NOW_MS
 from celery_leases.fencing.sql_table import (
     DEFAULT_FENCE_TABLE,
     SqlFences,
@@ -35,6 +35,7 @@ from celery_leases.fencing.sql_transaction import SqlLeaseStore, fenced_transact
 __all__ = [
     "DEFAULT_FENCE_COLUMN",
     "DEFAULT_FENCE_TABLE",
+    "MYSQL_NOW_MS",
     "POSTGRES_NOW_MS",
     "SQLITE_NOW_MS",
     "SqlFences",

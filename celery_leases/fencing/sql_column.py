@@ -24,7 +24,7 @@ from celery_leases.fencing import (
     decide,
     stale_token_error,
 )
-from celery_leases.fencing.sql_dialect import _insert_for, _newer
+from celery_leases.fencing.sql_dialect import _insert_for, _is_mysql, _lock_or_insert, _newer
 
 __all__ = ["DEFAULT_FENCE_COLUMN", "fenced_update", "fenced_upsert"]
 
@@ -143,7 +143,9 @@ def fenced_upsert(
 
     ``INSERT ... ON CONFLICT (<primary key>) DO UPDATE SET ... WHERE
     table.fence_generation IS NULL OR table.fence_generation < excluded...``
-    (PostgreSQL and SQLite). ``values`` must include the primary key.
+    (PostgreSQL and SQLite). MySQL locks the row with ``SELECT ... FOR
+    UPDATE`` (inserting it when missing), decides, then updates it.
+    ``values`` must include the primary key.
 
     Returns:
         The :class:`FenceResult` (``applied`` is ``False`` for a repeat
@@ -164,6 +166,10 @@ def fenced_upsert(
             f"fenced_upsert into {table.name!r} needs the primary key in values; "
             f"missing {missing or 'a primary key on the table'}"
         )
+    if _is_mysql(conn):
+        return _upsert_locked(
+            conn, table, values, keys, column, name, job_id, generation, on_repeat
+        )
     insert = _insert_for(conn, table).values({**values, fence_column: generation})
     updates = {k: insert.excluded[k] for k in values if k not in {key.name for key in keys}}
     updates[fence_column] = insert.excluded[fence_column]
@@ -180,3 +186,31 @@ def fenced_upsert(
     return _refused_on_column(
         name, job_id, generation, on_repeat, None if stored is None else int(stored)
     )
+
+
+def _upsert_locked(
+    conn: Connection,
+    table: sa.Table,
+    values: Mapping[str, Any],
+    keys: list[sa.Column[Any]],
+    column: sa.Column[Any],
+    name: str,
+    job_id: str,
+    generation: int,
+    on_repeat: OnRepeat,
+) -> FenceResult:
+    """MySQL: lock the row (or insert it), decide on its fence column, then update it."""
+    key = {k.name: values[k.name] for k in keys}
+    row = _lock_or_insert(conn, table, key, {**values, column.name: generation}, (column,))
+    if row is None:
+        return FenceResult(name, job_id, generation, applied=True, rowcount=1)
+    stored = None if row[0] is None else int(row[0])
+    if stored is not None and not decide(name, job_id, generation, on_repeat, (job_id, stored)):
+        return FenceResult(name, job_id, generation, applied=False, previous=stored, rowcount=0)
+    updates = {k: v for k, v in values.items() if k not in key}
+    conn.execute(
+        sa.update(table)
+        .values({**updates, column.name: generation})
+        .where(*(table.c[k] == v for k, v in key.items()))
+    )
+    return FenceResult(name, job_id, generation, applied=True, rowcount=1)

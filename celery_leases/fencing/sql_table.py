@@ -25,7 +25,8 @@ from celery_leases.fencing import (
     decide,
     stale_token_error,
 )
-from celery_leases.fencing.sql_dialect import _insert_for, _newer
+from celery_leases.fencing.sql_dialect import _insert_for, _is_mysql, _lock_or_insert, _newer
+from celery_leases.stores.sql_table import _key_text
 
 __all__ = [
     "DEFAULT_FENCE_TABLE",
@@ -48,12 +49,15 @@ def fence_table(metadata: sa.MetaData, name: str = DEFAULT_FENCE_TABLE) -> sa.Ta
     return sa.Table(
         name,
         metadata,
-        sa.Column("resource", sa.String(255), primary_key=True),
-        sa.Column("job_id", sa.String(255), nullable=False),
+        # compared byte for byte also in MySQL, whose collations ignore case
+        sa.Column("resource", _key_text(), primary_key=True),
+        sa.Column("job_id", _key_text(), nullable=False),
         sa.Column("generation", sa.BigInteger, nullable=False),
         sa.Column(
             "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
         ),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
     )
 
 
@@ -91,7 +95,9 @@ def advance_fence(
 
     A row that is not updated is still locked (PostgreSQL) or under the
     database's write lock (SQLite) until the transaction ends, so the
-    writes of two holders to one resource take turns.
+    writes of two holders to one resource take turns. MySQL locks the row
+    with ``SELECT ... FOR UPDATE`` (inserting it when missing), decides,
+    then updates it.
 
     Args:
         conn: a connection in the transaction that also does the write.
@@ -112,6 +118,8 @@ def advance_fence(
     job_id, generation = check_token(token)
     on_repeat = check_on_repeat(on_repeat)
     table = _DEFAULT_FENCES if fences is None else fences
+    if _is_mysql(conn):
+        return _advance_locked(conn, table, resource, job_id, generation, on_repeat)
     insert = _insert_for(conn, table).values(
         resource=resource, job_id=job_id, generation=generation
     )
@@ -147,6 +155,32 @@ def advance_fence(
             resource, job_id, generation, accepted=accepted[1], accepted_job=accepted[0]
         )
     return FenceResult(resource, job_id, generation, applied=False, previous=accepted[1])
+
+
+def _advance_locked(
+    conn: Connection,
+    table: sa.Table,
+    resource: str,
+    job_id: str,
+    generation: int,
+    on_repeat: OnRepeat,
+) -> FenceResult:
+    """MySQL: lock the fence's row (or insert it), decide, then move it."""
+    values = {"resource": resource, "job_id": job_id, "generation": generation}
+    row = _lock_or_insert(
+        conn, table, {"resource": resource}, values, (table.c.job_id, table.c.generation)
+    )
+    if row is None:
+        return FenceResult(resource, job_id, generation, applied=True)
+    accepted = (str(row.job_id), int(row.generation))
+    if not decide(resource, job_id, generation, on_repeat, accepted):
+        return FenceResult(resource, job_id, generation, applied=False, previous=accepted[1])
+    conn.execute(
+        sa.update(table)
+        .values(job_id=job_id, generation=generation, updated_at=sa.func.now())
+        .where(table.c.resource == resource)
+    )
+    return FenceResult(resource, job_id, generation, applied=True)
 
 
 def fenced_execute(

@@ -90,7 +90,7 @@ def fenced_transaction(store: SqlLeaseStore, lease: HolderToken) -> Iterator[Con
     It begins a transaction and first checks, by the database's clock, that
     the lease record is held by exactly this owner and generation and has
     not run out. The check locks the record: ``SELECT ... FOR UPDATE`` on
-    PostgreSQL; on SQLite the store's ``BEGIN IMMEDIATE`` already holds the
+    PostgreSQL and MySQL; on SQLite the store's ``BEGIN IMMEDIATE`` already holds the
     database's write lock. A claim must take that lock too, so the two
     serialize::
 

@@ -13,14 +13,27 @@ from celery_leases.errors import LeaseConfigurationError
 from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.base import LeaseStore
 
-__all__ = ["LeaseStore", "StoreOpener", "open_store", "register_scheme", "scheme_is_known"]
+__all__ = [
+    "LeaseStore",
+    "StoreOpener",
+    "is_sql_url",
+    "open_store",
+    "register_scheme",
+    "scheme_is_known",
+]
 
 #: opens a store from its URL and the ``open_store`` options
 StoreOpener = Callable[..., LeaseStore]
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
+_MYSQL_SCHEMES = ("mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql")
+_SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite", *_MYSQL_SCHEMES)
+
+
+def is_sql_url(url: str) -> bool:
+    """Whether ``url`` names a SQL lease store (which has a table to create)."""
+    return url.split("://", 1)[0].lower() in _SQL_SCHEMES
 
 
 #: schemes added by integrations (``django://`` by celery_leases.contrib.django)
@@ -62,6 +75,14 @@ def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:
     return error
 
 
+def _sql_extra(scheme: str) -> str:
+    if scheme.startswith("postgresql"):
+        return "postgres"
+    if scheme in _MYSQL_SCHEMES:
+        return "mysql"
+    return "sqlalchemy"
+
+
 def open_store(url: str, **options: Any) -> LeaseStore:
     """Open the lease store that ``url`` names.
 
@@ -70,7 +91,8 @@ def open_store(url: str, **options: Any) -> LeaseStore:
             ``sentinel://host:26379;sentinel://host2:26379`` (with the
             ``master_name=`` option) for Redis behind Sentinel;
             ``redis+cluster://host:port`` for a Redis Cluster;
-            ``postgresql+psycopg://`` or ``sqlite:///path`` for SQL;
+            ``postgresql+psycopg://``, ``mysql+pymysql://``,
+            ``mariadb+pymysql://`` or ``sqlite:///path`` for SQL;
             ``memory://`` for the in-process testing store;
             ``django://alias`` with ``celery_leases.contrib.django``
             installed, or any scheme given to :func:`register_scheme`.
@@ -127,9 +149,7 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
         try:
             from celery_leases.stores.sql import SqlStore
         except ImportError as exc:
-            raise _missing(
-                "postgres" if scheme.startswith("postgresql") else "sqlalchemy", exc
-            ) from exc
+            raise _missing(_sql_extra(scheme), exc) from exc
         return SqlStore.from_url(url, **options)
     if scheme in _REGISTERED:
         return _REGISTERED[scheme](url, **options)
@@ -142,6 +162,6 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
     raise LeaseConfigurationError(
         f"unknown lease store scheme {scheme!r} in {mask(url)!r}; use one of "
         "redis://, rediss://, unix://, sentinel://, redis+cluster://, "
-        "postgresql+psycopg://, sqlite:///, memory://"
+        "postgresql+psycopg://, mysql+pymysql://, mariadb+pymysql://, sqlite:///, memory://"
         + "".join(f", {name}://" for name in sorted(_REGISTERED))
     )

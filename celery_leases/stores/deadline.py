@@ -19,7 +19,12 @@ import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-__all__ = ["bounded", "time_left"]
+__all__ = ["REPLY_MARGIN", "bounded", "reply_limit", "store_waits", "time_left"]
+
+#: seconds a SQL client waits for a reply beyond the server's own limits
+#: (statement and lock timeouts): on a live connection the server's error
+#: comes first and the connection stays usable
+REPLY_MARGIN = 0.5
 
 _deadline: ContextVar[float | None] = ContextVar("celery_leases_store_deadline", default=None)
 
@@ -43,3 +48,29 @@ def time_left() -> float | None:
     if deadline is None:
         return None
     return max(0.0, deadline - time.monotonic())
+
+
+#: the longest wait for one reply inside a store call (seconds), or None
+#: outside the store's calls
+_wait_limit: ContextVar[float | None] = ContextVar("celery_leases_sql_wait", default=None)
+
+
+@contextlib.contextmanager
+def store_waits(timeout: float) -> Iterator[None]:
+    """Inside: each wait for a SQL reply ends after ``timeout`` plus
+    :data:`REPLY_MARGIN` seconds, or at the deadline of an enclosing
+    :func:`bounded` if that comes first."""
+    token = _wait_limit.set(timeout + REPLY_MARGIN)
+    try:
+        yield
+    finally:
+        _wait_limit.reset(token)
+
+
+def reply_limit() -> float | None:
+    """How long the wait for the next reply may last now, or None (no limit)."""
+    limit = _wait_limit.get()
+    if limit is None:
+        return None
+    left = time_left()
+    return limit if left is None else min(limit, left)

@@ -45,7 +45,7 @@ from celery_leases.stores.base import (
     RenewRequest,
     RenewResult,
 )
-from celery_leases.stores.deadline import time_left
+from celery_leases.stores.deadline import store_waits, time_left
 from celery_leases.stores.sql_engine import (
     MIN_SQLITE_VERSION,
     SQLITE_BUSY_TIMEOUT,
@@ -55,13 +55,16 @@ from celery_leases.stores.sql_engine import (
     create_table,
     dialect_for,
     masked_url,
-    store_waits,
 )
 from celery_leases.stores.sql_errors import DRIVER_ERRORS, lost_connection, store_error
+from celery_leases.stores.sql_mysql import MysqlOperations, _MysqlStatements
 from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
 from celery_leases.stores.sql_statements import _held_by, _Statements
 from celery_leases.stores.sql_table import (
+    _MYSQL,
     DEFAULT_TABLE_NAME,
+    MYSQL_NAMES,
+    MYSQL_NOW_MS,
     POSTGRES_NOW_MS,
     SQLITE_NOW_MS,
     lease_table,
@@ -72,6 +75,7 @@ __all__ = [
     "CLAIM_ATTEMPTS",
     "DEFAULT_TIMEOUT",
     "MIN_SQLITE_VERSION",
+    "MYSQL_NOW_MS",
     "POSTGRES_NOW_MS",
     "SQLITE_NOW_MS",
     "SqlStore",
@@ -153,7 +157,13 @@ class SqlStore(LeaseStore):
         self._writer = engine.execution_options(**self._dialect.write_options)
         self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = _Statements.build(self.table, self._dialect)
-        self._operations = Operations(self._statements, self.url)
+        self._operations = (
+            MysqlOperations(
+                self._statements, self.url, _MysqlStatements.build(self.table, self._dialect)
+            )
+            if self._dialect is _MYSQL
+            else Operations(self._statements, self.url)
+        )
         with store_waits(self.timeout):
             if create_table:
                 _create_table(engine, table_name)
@@ -190,14 +200,22 @@ class SqlStore(LeaseStore):
             ) from None  # the parser's error quotes the URL, password and all
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
-        if parsed.get_backend_name() == "postgresql":
+        if parsed.drivername in MYSQL_NAMES:
+            parsed = parsed.set(drivername=f"{parsed.drivername}+pymysql")
+        if parsed.get_backend_name() in ("postgresql", *MYSQL_NAMES):
             engine_options.setdefault("pool_pre_ping", True)
+        if parsed.get_backend_name() in MYSQL_NAMES:
+            # Every store call ends its transaction itself (a COMMIT, or the
+            # ROLLBACK of a read's connection on close); the pool's own
+            # ROLLBACK on return would be one more round trip per call.
+            engine_options.setdefault("pool_reset_on_return", None)
         try:
             engine = sa.create_engine(parsed, **engine_options)
         except (ImportError, exc.NoSuchModuleError) as error:
             raise LeaseConfigurationError(
                 f"the driver of {mask(parsed.render_as_string(hide_password=False))} is not "
-                f"installed ({error}): pip install 'celery-leases[postgres]' for PostgreSQL"
+                f"installed ({error}): pip install 'celery-leases[postgres]' for PostgreSQL, "
+                "'celery-leases[mysql]' for MySQL or MariaDB"
             ) from error
         store = cls.__new__(cls)
         try:
@@ -329,6 +347,9 @@ class SqlStore(LeaseStore):
         operations = self._operations
 
         def work() -> ClaimResult:
+            if isinstance(operations, MysqlOperations):
+                # a transaction each, as many as a race on a new row needs
+                return operations.claim_in_turns(self._writer, parameters)
             # a transaction commits before the result leaves its block
             with self._writer.begin() as conn:
                 if self._statements.decide is not None:

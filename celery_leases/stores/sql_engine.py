@@ -33,8 +33,6 @@ import os
 import sqlite3
 import time
 import weakref
-from collections.abc import Iterator
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +42,16 @@ from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask
-from celery_leases.stores.deadline import time_left
+from celery_leases.stores.deadline import reply_limit
 from celery_leases.stores.sql_errors import FIX, permanent, reason
+from celery_leases.stores.sql_mysql_engine import prepare_mysql_engine
 from celery_leases.stores.sql_table import (
+    _MYSQL,
     _POSTGRES,
     _READ_ONLY_OPTION,
     _SQLITE,
     DEFAULT_TABLE_NAME,
+    MYSQL_NAMES,
     _add_missing_columns,
     _Dialect,
     _missing_columns,
@@ -62,11 +63,6 @@ SQLITE_BUSY_TIMEOUT = 10.0
 
 #: RETURNING arrived in SQLite 3.35 (UPDATE ... FROM in 3.33)
 MIN_SQLITE_VERSION = (3, 35, 0)
-
-#: seconds the client waits for a reply beyond the server's own limits
-#: (``statement_timeout``, ``lock_timeout``): on a live connection the
-#: server's error comes first and the connection stays usable
-REPLY_MARGIN = 0.5
 
 #: engines of open stores; a forked child must not reuse their connections
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -94,11 +90,12 @@ def dialect_for(engine: Engine, timeout: float | None, *, server_limits: bool = 
 
     Args:
         timeout: the longest wait for the database (seconds): SQLite's busy
-            timeout; PostgreSQL's connect, socket and reply limits (None:
-            leave a PostgreSQL engine as it is).
+            timeout; PostgreSQL's and MySQL's connect, socket and reply
+            limits (None: leave such an engine as it is).
         server_limits: also set PostgreSQL's ``statement_timeout`` and
-            ``lock_timeout`` on the engine's connections (engines the store
-            opened itself).
+            ``lock_timeout`` (MySQL's lock wait and statement limits, see
+            :mod:`~celery_leases.stores.sql_mysql_engine`) on the engine's
+            connections (engines the store opened itself).
 
     Raises:
         LeaseConfigurationError: the database or driver is not supported.
@@ -108,12 +105,16 @@ def dialect_for(engine: Engine, timeout: float | None, *, server_limits: bool = 
         if timeout is not None:
             _prepare_postgres_engine(engine, timeout, server_limits)
         return _POSTGRES
+    if engine.dialect.name in MYSQL_NAMES:
+        if timeout is not None:
+            prepare_mysql_engine(engine, timeout, server_limits)
+        return _MYSQL
     if engine.dialect.name == "sqlite":
         _prepare_sqlite_engine(engine, SQLITE_BUSY_TIMEOUT if timeout is None else timeout)
         return _SQLITE
     raise LeaseConfigurationError(
-        f"the SQL lease store supports PostgreSQL and SQLite, not {engine.dialect.name!r} "
-        f"({masked_url(engine)})"
+        "the SQL lease store supports PostgreSQL, SQLite and MySQL/MariaDB, "
+        f"not {engine.dialect.name!r} ({masked_url(engine)})"
     )
 
 
@@ -127,15 +128,18 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
 
     Raises:
         StoreUnavailable: the database could not be reached.
-        LeaseConfigurationError: the database is not PostgreSQL or SQLite.
+        LeaseConfigurationError: the database is not PostgreSQL, SQLite or MySQL.
     """
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
     try:
         with engine.begin() as conn:
             dialect.lock_for_ddl(conn, table_name)
-            table.metadata.create_all(conn, checkfirst=True)
-            _add_missing_columns(conn, table)
+            try:
+                table.metadata.create_all(conn, checkfirst=True)
+                _add_missing_columns(conn, table)
+            finally:
+                dialect.unlock_for_ddl(conn, table_name)
     except (exc.DBAPIError, exc.TimeoutError) as error:
         about = f"could not create the lease table {table_name!r} in {masked_url(engine)}"
         if permanent(error):
@@ -252,31 +256,6 @@ def check_sqlite_version(version: tuple[int, ...]) -> None:
 
 
 # --- PostgreSQL: a bound on every wait ------------------------------------------
-
-#: the longest wait for one reply inside a store call (seconds), or None
-#: outside the store's calls
-_wait_limit: ContextVar[float | None] = ContextVar("celery_leases_sql_wait", default=None)
-
-
-@contextlib.contextmanager
-def store_waits(timeout: float) -> Iterator[None]:
-    """Inside: each wait for a PostgreSQL reply ends after ``timeout`` plus
-    :data:`REPLY_MARGIN` seconds, or at the deadline of an enclosing
-    :func:`~celery_leases.stores.deadline.bounded` if that comes first."""
-    token = _wait_limit.set(timeout + REPLY_MARGIN)
-    try:
-        yield
-    finally:
-        _wait_limit.reset(token)
-
-
-def reply_limit() -> float | None:
-    """How long the wait for the next reply may last now, or None (no limit)."""
-    limit = _wait_limit.get()
-    if limit is None:
-        return None
-    left = time_left()
-    return limit if left is None else min(limit, left)
 
 
 @functools.cache

@@ -16,6 +16,11 @@ DRIVER_ERRORS = (exc.StatementError, exc.TimeoutError)
 #: class 28 (invalid authorization), no such database, insufficient privilege
 _PERMANENT_SQLSTATES = ("3D000", "42501")
 
+#: MySQL's error numbers of a configuration: no rights on the database,
+#: wrong password, unknown database, no rights on the table or a column,
+#: a privilege missing, no such table or column
+_PERMANENT_MYSQL_ERRORS = (1044, 1045, 1049, 1142, 1143, 1227, 1146, 1054)
+
 #: what drivers say when they give no SQLSTATE (a failed connection attempt)
 _PERMANENT_MESSAGES = (
     "password authentication failed",
@@ -50,6 +55,9 @@ def permanent(error: BaseException) -> bool:
     if not isinstance(error, exc.OperationalError):
         return False
     orig = getattr(error, "orig", None)
+    number = next(iter(getattr(orig, "args", ())), None)
+    if isinstance(number, int) and not isinstance(number, bool):  # PyMySQL: (errno, message)
+        return number in _PERMANENT_MYSQL_ERRORS
     sqlstate = getattr(orig, "sqlstate", None)
     if isinstance(sqlstate, str) and sqlstate:
         return sqlstate.startswith("28") or sqlstate in _PERMANENT_SQLSTATES

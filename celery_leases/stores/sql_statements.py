@@ -236,6 +236,7 @@ def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
     """One UPDATE ... FROM (the ``:p_batch`` JSON as rows) ... RETURNING."""
     t = table
     now = _now_once(dialect)
+    assert dialect.batch_rows is not None, "MySQL renews a batch in module sql_mysql"
     batch = dialect.batch_rows(sa.bindparam("p_batch", type_=sa.String))
     return (
         sa.update(t)
@@ -272,9 +273,68 @@ def _lock_statement(table: sa.Table, dialect: _Dialect) -> Any:
     return sa.select(t.c.generation).where(current).with_for_update()
 
 
+def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any]:
+    """The conditional UPDATEs, without RETURNING (which MySQL lacks); the
+    claim and the batch renewal are MySQL's own (module sql_mysql)."""
+    return {
+        "claim": None,
+        "decide": None,
+        "renew": (
+            sa.update(t)
+            .values(
+                lease_until=now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
+                renewed_at=now,
+                renew_count=t.c.renew_count + 1,
+            )
+            .where(_held_by_parameters(t))
+        ),
+        "renew_many": None,
+        "complete": (
+            sa.update(t)
+            .values(
+                state=LeaseState.COMPLETED.value,
+                completed_at=dialect.now_ms(),
+                outcome=sa.bindparam("p_outcome", type_=sa.LargeBinary),
+            )
+            .where(_held_by_parameters(t))
+        ),
+        "release": (
+            sa.update(t)
+            .values(
+                state=LeaseState.RELEASED.value,
+                owner="",
+                lease_until=now,
+                released_at=now,
+            )
+            .where(_held_by_parameters(t))
+        ),
+        "force_release": (
+            sa.update(t)
+            .values(
+                generation=t.c.generation + 1,
+                state=LeaseState.RELEASED.value,
+                owner="",
+                lease_until=now,
+                released_at=now,
+                released_by=sa.bindparam("p_by", type_=sa.String),
+                release_reason=sa.bindparam("p_reason", type_=sa.String),
+            )
+            .where(
+                t.c.job_id == sa.bindparam("p_job_id"),
+                t.c.state.in_([LeaseState.HELD.value, LeaseState.RELEASED.value]),
+                dialect.whole(t.c.generation),
+            )
+        ),
+    }
+
+
 @dataclass(frozen=True)
 class _Statements:
-    """Every statement of a store's hot path, built once (see above)."""
+    """Every statement of a store's hot path, built once (see above).
+
+    In MySQL ``claim``, ``decide`` and ``renew_many`` are None, and the
+    writes have no RETURNING (module sql_mysql runs them).
+    """
 
     #: the claim; RETURNING generation, lease_until, claimed_at, takeovers
     claim: Any
@@ -302,70 +362,31 @@ class _Statements:
         """Build every statement for ``table`` in ``dialect``."""
         t = table
         n = _now_row(dialect)
-        renew_now = _now_once(dialect)
+        # MySQL's clock is the statement's start, the same for each use in it
+        renew_now = dialect.now_ms() if dialect.name == "mysql" else _now_once(dialect)
         # one clock reading for the purge (an InitPlan in PostgreSQL)
         purge_now = sa.select(dialect.now_ms()).scalar_subquery()
         purge_before = purge_now - sa.bindparam("p_older_than_ms", type_=sa.BigInteger)
+        writes = _write_statements(t, dialect, renew_now)
+        if dialect.name != "mysql":
+            writes = {
+                "claim": _claim_statement(t, dialect),
+                "decide": _decide_statement(t, dialect) if dialect.name == "postgresql" else None,
+                "renew": writes["renew"].returning(t.c.lease_until, t.c.renewed_at),
+                "renew_many": _renew_many_statement(t, dialect),
+                "complete": writes["complete"].returning(t.c.job_id),
+                "release": writes["release"].returning(t.c.job_id),
+                "force_release": writes["force_release"].returning(*t.c),
+            }
         return cls(
-            claim=_claim_statement(t, dialect),
-            decide=_decide_statement(t, dialect) if dialect.name == "postgresql" else None,
+            **writes,
             holder=(
                 sa.select(t, n.c.now)
                 .select_from(t)
                 .join(n, sa.true())
                 .where(t.c.job_id == sa.bindparam("p_job_id"))
             ),
-            renew=(
-                sa.update(t)
-                .values(
-                    lease_until=renew_now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
-                    renewed_at=renew_now,
-                    renew_count=t.c.renew_count + 1,
-                )
-                .where(_held_by_parameters(t))
-                .returning(t.c.lease_until, t.c.renewed_at)
-            ),
-            renew_many=_renew_many_statement(t, dialect),
-            complete=(
-                sa.update(t)
-                .values(
-                    state=LeaseState.COMPLETED.value,
-                    completed_at=dialect.now_ms(),
-                    outcome=sa.bindparam("p_outcome", type_=sa.LargeBinary),
-                )
-                .where(_held_by_parameters(t))
-                .returning(t.c.job_id)
-            ),
             lock=_lock_statement(t, dialect),
-            release=(
-                sa.update(t)
-                .values(
-                    state=LeaseState.RELEASED.value,
-                    owner="",
-                    lease_until=renew_now,
-                    released_at=renew_now,
-                )
-                .where(_held_by_parameters(t))
-                .returning(t.c.job_id)
-            ),
-            force_release=(
-                sa.update(t)
-                .values(
-                    generation=t.c.generation + 1,
-                    state=LeaseState.RELEASED.value,
-                    owner="",
-                    lease_until=renew_now,
-                    released_at=renew_now,
-                    released_by=sa.bindparam("p_by", type_=sa.String),
-                    release_reason=sa.bindparam("p_reason", type_=sa.String),
-                )
-                .where(
-                    t.c.job_id == sa.bindparam("p_job_id"),
-                    t.c.state.in_([LeaseState.HELD.value, LeaseState.RELEASED.value]),
-                    dialect.whole(t.c.generation),
-                )
-                .returning(*t.c)
-            ),
             record=sa.select(t).where(t.c.job_id == sa.bindparam("p_job_id")),
             records_of=sa.select(t).where(
                 t.c.job_id.in_(sa.bindparam("p_job_ids", expanding=True))

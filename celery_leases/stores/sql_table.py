@@ -1,4 +1,4 @@
-"""The lease table, the clock and what differs between PostgreSQL and SQLite.
+"""The lease table, the clock and what differs between PostgreSQL, SQLite and MySQL.
 
 Used by :mod:`celery_leases.stores.sql`; ``lease_table`` is public there.
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, RowMapping
@@ -37,15 +38,58 @@ POSTGRES_NOW_MS = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS B
 #: so the result is the exact millisecond (never a text timestamp).
 SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
 
+#: MySQL and MariaDB: UTC_TIMESTAMP(6) is the statement's start, the same
+#: for every use in one statement, and independent of the session's time
+#: zone (UNIX_TIMESTAMP(NOW()) is not: it steps back when daylight saving
+#: time ends). Microseconds since the epoch, divided down to whole ms.
+MYSQL_NOW_MS = (
+    "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED)"
+)
+
+#: the names SQLAlchemy gives MySQL's dialects
+MYSQL_NAMES = ("mysql", "mariadb")
+
+#: MySQL: what an upsert sets LAST_INSERT_ID() to when it found its row, so
+#: that its reply tells a found row from an insert (which reports 0, the
+#: AUTO_INCREMENT value or the generation it wrote, never this)
+MYSQL_ROW_EXISTED = 2**64 - 1
+
 #: Option on connections that only read: SQLite then begins a deferred
 #: transaction instead of taking the write lock.
 _READ_ONLY_OPTION = "celery_leases_read_only"
 
 
+class _ExactText(sa.types.TypeDecorator[str]):
+    """MySQL: text compared byte for byte, as VARBINARY of its UTF-8.
+
+    MySQL's text collations ignore case (``utf8mb4_general_ci``) or trailing
+    spaces (every ``PAD SPACE`` one, ``utf8mb4_bin`` too), so two job ids
+    that differ only there would share one record.
+    """
+
+    impl = mysql.VARBINARY(1020)  # 255 characters of up to 4 bytes
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> bytes | None:
+        return None if value is None else value.encode("utf-8")
+
+    def process_result_value(self, value: bytes | str | None, dialect: Any) -> str | None:
+        if value is None or isinstance(value, str):  # a column made as text by hand
+            return value
+        return bytes(value).decode("utf-8")
+
+
+def _key_text() -> sa.types.TypeEngine[str]:
+    """A job id, owner or send id: compared exactly in every database."""
+    return sa.String(255).with_variant(_ExactText(), *MYSQL_NAMES)
+
+
 def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
     """Define the lease table on ``metadata``.
 
-    Times are integer milliseconds on the database's clock.
+    Times are integer milliseconds on the database's clock. In MySQL the
+    table is InnoDB in ``utf8mb4``, and job ids, owners and send ids are
+    ``VARBINARY`` (see :class:`_ExactText`).
 
     Raises:
         LeaseConfigurationError: ``table_name`` is not a plain identifier.
@@ -54,8 +98,8 @@ def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> 
     return sa.Table(
         table_name,
         metadata,
-        sa.Column("job_id", sa.String(255), primary_key=True),
-        sa.Column("owner", sa.String(255), nullable=False, server_default=""),
+        sa.Column("job_id", _key_text(), primary_key=True),
+        sa.Column("owner", _key_text(), nullable=False, server_default=""),
         sa.Column("generation", sa.BigInteger, nullable=False),
         sa.Column("lease_until", sa.BigInteger, nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
@@ -68,6 +112,8 @@ def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> 
         *_added_columns(),
         # purge_completed and records(state=...) filter on these
         sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
     )
 
 
@@ -75,12 +121,23 @@ def _added_columns() -> list[sa.Column[Any]]:
     """Columns added after the first release; :func:`create_table` adds them
     to a table made before them."""
     return [
-        sa.Column("send_id", sa.String(255), nullable=False, server_default=""),
-        sa.Column("outcome", sa.LargeBinary, nullable=True),
+        sa.Column("send_id", _key_text(), nullable=False, server_default=""),
+        # MySQL's BLOB holds 64 KiB, less than MAX_OUTCOME_BYTES
+        sa.Column(
+            "outcome",
+            sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), *MYSQL_NAMES),
+            nullable=True,
+        ),
         sa.Column("released_at", sa.BigInteger, nullable=True),
         sa.Column("released_by", sa.String(255), nullable=False, server_default=""),
-        sa.Column("release_reason", sa.Text, nullable=False, server_default=""),
-        sa.Column("task_id", sa.String(255), nullable=False, server_default=""),
+        # MySQL before 8.0.13 gives a TEXT column no default; REASON_LIMIT is 1000
+        sa.Column(
+            "release_reason",
+            sa.Text().with_variant(sa.String(1000), *MYSQL_NAMES),
+            nullable=False,
+            server_default="",
+        ),
+        sa.Column("task_id", _key_text(), nullable=False, server_default=""),
     ]
 
 
@@ -105,7 +162,7 @@ def _add_missing_columns(conn: Connection, table: sa.Table) -> None:
         conn.execute(sa.text(statement))
 
 
-# --- what differs between PostgreSQL and SQLite ------------------------------
+# --- what differs between PostgreSQL, SQLite and MySQL -------------------------
 
 
 @dataclass(frozen=True)
@@ -118,13 +175,16 @@ class _Dialect:
     #: the dialect's INSERT, which has on_conflict_do_update
     insert: Callable[[sa.Table], Any]
     #: turns the bound JSON text of a renew batch into rows
-    #: (job_id, owner, generation, ttl)
-    batch_rows: Callable[[sa.BindParameter[str]], FromClause]
+    #: (job_id, owner, generation, ttl); None in MySQL, which renews a
+    #: batch under the records' locks (module sql_mysql)
+    batch_rows: Callable[[sa.BindParameter[str]], FromClause] | None
     #: execution options of connections that write / only read
     write_options: Mapping[str, Any]
     read_options: Mapping[str, Any]
     #: serializes concurrent CREATE TABLE inside a transaction
     lock_for_ddl: Callable[[Connection, str], None]
+    #: gives that lock up, where the transaction's end does not
+    unlock_for_ddl: Callable[[Connection, str], None]
     #: true when a column holds a whole number (SQLite keeps any value in any
     #: column, and then 'abc' + 1 is 1)
     whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
@@ -181,6 +241,28 @@ def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
     return None
 
 
+def _no_unlock(conn: Connection, table_name: str) -> None:
+    # the lock ends with the transaction
+    return None
+
+
+def _mysql_lock_for_ddl(conn: Connection, table_name: str) -> None:
+    # DDL commits at once in MySQL, so no lock of a transaction outlives it;
+    # a named lock of the session does, until RELEASE_LOCK.
+    got = conn.execute(
+        sa.text("SELECT GET_LOCK(:name, 30)"), {"name": f"celery_leases:{table_name}"}
+    ).scalar()
+    if got != 1:
+        raise LeaseConfigurationError(
+            f"could not take the lock that serializes creating the lease table "
+            f"{table_name!r} within 30 s; another process holds it"
+        )
+
+
+def _mysql_unlock_for_ddl(conn: Connection, table_name: str) -> None:
+    conn.execute(sa.text("SELECT RELEASE_LOCK(:name)"), {"name": f"celery_leases:{table_name}"})
+
+
 def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
     return sa.func.greatest(a, b, type_=sa.BigInteger)
 
@@ -205,6 +287,7 @@ _POSTGRES = _Dialect(
     write_options={"isolation_level": "AUTOCOMMIT"},
     read_options={"isolation_level": "AUTOCOMMIT"},
     lock_for_ddl=_postgres_lock_for_ddl,
+    unlock_for_ddl=_no_unlock,
     whole=_postgres_whole,
     greatest=_postgres_greatest,
 )
@@ -217,8 +300,25 @@ _SQLITE = _Dialect(
     write_options={},
     read_options={_READ_ONLY_OPTION: True},
     lock_for_ddl=_sqlite_lock_for_ddl,
+    unlock_for_ddl=_no_unlock,
     whole=_sqlite_whole,
     greatest=_sqlite_greatest,
+)
+
+
+#: MySQL and MariaDB (InnoDB): each write runs in a transaction that locks
+#: the record first (module sql_mysql), as there is no UPDATE ... RETURNING
+_MYSQL = _Dialect(
+    name="mysql",
+    now_sql=MYSQL_NOW_MS,
+    insert=mysql.insert,
+    batch_rows=None,
+    write_options={},
+    read_options={},
+    lock_for_ddl=_mysql_lock_for_ddl,
+    unlock_for_ddl=_mysql_unlock_for_ddl,
+    whole=_postgres_whole,
+    greatest=_postgres_greatest,
 )
 
 

@@ -29,7 +29,7 @@ from tests.acceptance.app import AcceptanceConfig, make_app
 from tests.acceptance.harness import SideChannel, Worker, wait_until
 from tests.broker_servers import RabbitServer, SqsServer
 from tests.conftest import serve
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import MariadbServer, PostgresServer, RedisServer
 
 # Databases 1-15 take turns (0 belongs to the other tiers' key prefixes);
 # each is flushed before a test uses it.
@@ -50,7 +50,7 @@ class StoreTarget:
 
 @pytest.fixture
 def lease_store_target(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> StoreTarget:
-    """Redis by default; parametrize indirectly with postgres or sqlite."""
+    """Redis by default; parametrize indirectly with postgres, sqlite or mysql."""
     kind = getattr(request, "param", "redis")
     if kind == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
@@ -58,6 +58,9 @@ def lease_store_target(request: pytest.FixtureRequest, tmp_path: Path, unique: s
     if kind == "postgres":
         pg: PostgresServer = request.getfixturevalue("postgres_server")
         return StoreTarget(kind, pg.url, {"table_name": f"acc_{unique}"})
+    if kind == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return StoreTarget(kind, mariadb.url, {"table_name": f"acc_{unique}"})
     if kind == "sqlite":
         path = tmp_path / "leases.db"
         return StoreTarget(kind, f"sqlite:///{path}", {"table_name": f"acc_{unique}"})

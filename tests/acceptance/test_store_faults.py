@@ -18,10 +18,10 @@ import pytest
 from celery_leases import Acquired, LeaseState, TakeoverLimitExceeded
 from celery_leases.stores.redis_scripts import COMPLETE_SCRIPT
 from tests.acceptance.app import ECHO, EFFECTS, STEPS
-from tests.acceptance.conftest import Cluster
+from tests.acceptance.conftest import Cluster, StoreTarget
 from tests.acceptance.harness import wait_until
 from tests.proxy import Proxy
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import MariadbServer, PostgresServer, RedisServer
 
 TTL = 2.0
 #: the bytes that name the completion script in an EVALSHA request
@@ -126,15 +126,22 @@ def test_a_poison_job_whose_completion_is_unknown_is_not_dropped(
     assert cluster.side.done_count(job_id) == 0  # the body never ran
 
 
-@pytest.mark.parametrize("lease_store_target", ["postgres"], indirect=True)
+@pytest.mark.parametrize(
+    "lease_store_target",
+    ["postgres", pytest.param("mysql", marks=pytest.mark.mysql)],
+    indirect=True,
+)
 def test_a_sql_store_down_when_first_used_defers_the_job(
-    cluster: Cluster, postgres_server: PostgresServer
+    cluster: Cluster, lease_store_target: StoreTarget, request: pytest.FixtureRequest
 ) -> None:
-    """A pool process whose first use of the store finds PostgreSQL down
-    defers the job like any outage, and runs it once the store is back."""
-    with Proxy("127.0.0.1", postgres_server.port) as proxy:
+    """A pool process whose first use of the store finds PostgreSQL (or
+    MariaDB) down defers the job like any outage, and runs it once the store
+    is back."""
+    name = "postgres_server" if lease_store_target.kind == "postgres" else "mariadb_server"
+    server: PostgresServer | MariadbServer = request.getfixturevalue(name)
+    with Proxy("127.0.0.1", server.port) as proxy:
         proxy.refuse()
-        url = cluster.config.store.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+        url = cluster.config.store.replace(f":{server.port}/", f":{proxy.port}/")
         cluster.configure(ttl=TTL, defer_max=1.0)
         worker = cluster.worker("a", store=url)
         result = cluster.send(STEPS, 0.1)

@@ -27,7 +27,13 @@ MISSED_HEARTBEATS = "missed heartbeats from client"
 
 @pytest.mark.parametrize(
     ("broker_kind", "lease_store_target"),
-    [("redis", "redis"), ("redis", "postgres"), ("redis", "sqlite"), ("amqp", "redis")],
+    [
+        ("redis", "redis"),
+        ("redis", "postgres"),
+        ("redis", "sqlite"),
+        ("redis", "mysql"),
+        ("amqp", "redis"),
+    ],
     indirect=True,
 )
 def test_paused_worker_is_fenced_out_and_successor_result_stands(

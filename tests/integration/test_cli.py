@@ -26,7 +26,7 @@ from celery_leases.cli import (
     EXIT_UNAVAILABLE,
 )
 from tests.integration.test_conformance import backdate_completion, wait_for_store_clock
-from tests.servers import PostgresServer, RedisServer, free_port
+from tests.servers import MariadbServer, PostgresServer, RedisServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OWNER = "host-a:4242:0123456789abcdef"
@@ -63,12 +63,15 @@ class Cli:
         return json.loads(result.stdout)
 
 
-@pytest.fixture(params=["redis", "postgres"])
+@pytest.fixture(params=["redis", "postgres", pytest.param("mysql", marks=pytest.mark.mysql)])
 def target(request: pytest.FixtureRequest, unique: str) -> Iterator[tuple[Cli, LeaseStore]]:
     """The command and a store handle on the same, fresh store."""
     if request.param == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         url, options = server.url, {"prefix": f"cli{unique}:"}
+    elif request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        url, options = mariadb.url, {"table_name": f"cli_{unique}"}
     else:
         pg: PostgresServer = request.getfixturevalue("postgres_server")
         url, options = pg.url, {"table_name": f"cli_{unique}"}
@@ -227,9 +230,18 @@ def test_release_of_a_completed_job_is_refused(target: tuple[Cli, LeaseStore]) -
     assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
 
 
-def test_init_db_creates_the_sql_table(postgres_server: PostgresServer, unique: str) -> None:
+@pytest.fixture(params=["postgres", pytest.param("mysql", marks=pytest.mark.mysql)])
+def sql_server(request: pytest.FixtureRequest) -> PostgresServer | MariadbServer:
+    name = "postgres_server" if request.param == "postgres" else "mariadb_server"
+    server: PostgresServer | MariadbServer = request.getfixturevalue(name)
+    return server
+
+
+def test_init_db_creates_the_sql_table(
+    sql_server: PostgresServer | MariadbServer, unique: str
+) -> None:
     options = {"table_name": f"init_{unique}", "create_table": False}
-    cli = Cli(postgres_server.url, options)
+    cli = Cli(sql_server.url, options)
     before = cli("ls")
     # no table yet, and ls does not make one
     assert before.returncode == EXIT_CONFIGURATION, before.stderr

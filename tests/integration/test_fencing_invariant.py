@@ -8,7 +8,7 @@ transaction, a stream entry in the same script, the previous generation the
 script saw), and the accepted sequence must be strictly increasing.
 
 The same-transaction form (``fenced_transaction``) is raced against a real
-claim by another worker on PostgreSQL and SQLite.
+claim by another worker on PostgreSQL, SQLite and MariaDB.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from celery_leases.fencing.redis import RedisFence
 from celery_leases.fencing.sql import fence_table, fenced_execute, fenced_transaction
 from celery_leases.stores.base import Acquired
 from celery_leases.stores.sql import SqlStore
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import MariadbServer, PostgresServer, RedisServer
 
 WRITERS = 4
 JOB = "job-1"
@@ -218,16 +218,18 @@ def start_writers(kind: str, target: tuple[str, str]) -> Iterator[Writers]:
             q.join_thread()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["postgres", pytest.param("mysql", marks=pytest.mark.mysql)])
 def sql_writers(
-    postgres_server: PostgresServer,
+    request: pytest.FixtureRequest,
 ) -> Iterator[tuple[Writers, sa.Engine, tuple[sa.Table, sa.Table, sa.Table]]]:
+    name = "postgres_server" if request.param == "postgres" else "mariadb_server"
+    server: PostgresServer | MariadbServer = request.getfixturevalue(name)
     suffix = uuid.uuid4().hex[:10]
-    engine = sa.create_engine(postgres_server.url)
+    engine = sa.create_engine(server.url)
     tables = sql_tables(suffix)
     tables[0].metadata.create_all(engine)
     try:
-        for writers in start_writers("sql", (postgres_server.url, suffix)):
+        for writers in start_writers("sql", (server.url, suffix)):
             yield writers, engine, tables
     finally:
         tables[0].metadata.drop_all(engine)
@@ -395,11 +397,14 @@ RACE_TTL = 0.8
 RACE_HOLD = 0.3
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
+@pytest.fixture(params=["postgres", "sqlite", pytest.param("mysql", marks=pytest.mark.mysql)])
 def race_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
         return server.url
+    if request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url
     return f"sqlite:///{tmp_path / 'race.db'}"
 
 

@@ -1,6 +1,6 @@
-"""Fenced SQL writes on real PostgreSQL and SQLite.
+"""Fenced SQL writes on real PostgreSQL, SQLite and MariaDB.
 
-Every test runs on both databases. The worked example everywhere: A writes
+Every test runs on each database. The worked example everywhere: A writes
 with generation 7 after B wrote with 8, and the target refuses A.
 """
 
@@ -31,7 +31,7 @@ from celery_leases.fencing.sql import (
 )
 from celery_leases.stores.base import Acquired
 from celery_leases.stores.sql import SqlStore
-from tests.servers import PostgresServer
+from tests.servers import MariadbServer, PostgresServer
 
 A = Token("job-1", 7, owner="worker-a")
 B = Token("job-1", 8, owner="worker-b")
@@ -39,11 +39,14 @@ B = Token("job-1", 8, owner="worker-b")
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
+@pytest.fixture(params=["postgres", "sqlite", pytest.param("mysql", marks=pytest.mark.mysql)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
         return server.url
+    if request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url
     return f"sqlite:///{tmp_path / 'target.db'}"
 
 

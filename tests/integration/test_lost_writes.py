@@ -3,7 +3,8 @@
 Every claim takes ``max(previous + 1, store clock)``. These tests make a real
 store lose its last claims (redis-server killed with SIGKILL and started from
 an older AOF or RDB file; PostgreSQL with ``synchronous_commit=off`` stopped
-in immediate mode) and check that every generation handed out after the
+in immediate mode; MariaDB that writes its redo log only now and then,
+killed with SIGKILL) and check that every generation handed out after the
 restart is above every one handed out before (I1), and that a fenced target
 that saw the lost generations accepts every write of the new ones and never
 a lower one (I5).
@@ -23,7 +24,7 @@ from celery_leases.fencing.redis import RedisFence
 from celery_leases.stores.redis import RedisConfigWarning
 from celery_leases.stores.sql import SqlStore
 from tests.conftest import serve
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import MariadbServer, PostgresServer, RedisServer
 
 JOBS = ("job-a", "job-b")
 ROUNDS = 4
@@ -155,6 +156,42 @@ def test_postgres_asynchronous_commit_stopped_in_immediate_mode(
         before.claim_and_release()
         lossy_postgres.stop("immediate")
         lossy_postgres.start()
+        assert_lost_then_above(store, before, fence)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def lossy_mariadb() -> Iterator[MariadbServer]:
+    """MariaDB that acknowledges commits before their redo log is written.
+
+    ``innodb_flush_log_at_trx_commit=0`` writes the log buffer only every
+    ``innodb_flush_log_at_timeout`` seconds (here 30): a SIGKILL loses the
+    commits since the last write.
+    """
+    yield from serve(
+        lambda: MariadbServer(
+            "--innodb-flush-log-at-trx-commit=0", "--innodb-flush-log-at-timeout=30"
+        )
+    )
+
+
+@pytest.mark.mysql
+def test_mariadb_lazy_redo_log_killed(lossy_mariadb: MariadbServer, fence: RedisFence) -> None:
+    store = open_store(lossy_mariadb.url)
+    try:
+        before = Ledger(store, fence, "before-restart")
+        before.claim_and_release(rounds=1)
+        # one commit that waits for the log writes every commit before it too
+        lossy_mariadb.sql(
+            "SET GLOBAL innodb_flush_log_at_trx_commit = 1;"
+            "CREATE TABLE leases.durable (id INT PRIMARY KEY);"
+            "INSERT INTO leases.durable VALUES (1);"
+            "SET GLOBAL innodb_flush_log_at_trx_commit = 0;"
+        )
+        before.claim_and_release()
+        lossy_mariadb.kill()
+        lossy_mariadb.start()
         assert_lost_then_above(store, before, fence)
     finally:
         store.close()

@@ -48,7 +48,7 @@ LIVE_TTL = 60.0
 SHORT_TTL = 0.3
 
 pytestmark = [
-    pytest.mark.parametrize("store_kind", ["redis", "postgres", "sqlite"], indirect=True),
+    pytest.mark.parametrize("store_kind", ["redis", "postgres", "sqlite", "mysql"], indirect=True),
     # a long run on demand must not hit the suite's default timeout
     pytest.mark.timeout(120 + ROUNDS * 4),
 ]

@@ -41,7 +41,7 @@ from celery_leases import (
 from celery_leases.stores import sql
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from tests.operations import every_operation
-from tests.servers import PostgresServer
+from tests.servers import MariadbServer, PostgresServer
 
 A = "worker-a"
 B = "worker-b"
@@ -71,12 +71,15 @@ EXPECTED_COLUMNS = {
 # --- fixtures -----------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
+@pytest.fixture(params=["postgres", "sqlite", "mysql"])
 def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of a PostgreSQL database or of a fresh SQLite file."""
+    """The URL of a PostgreSQL or MariaDB database or of a fresh SQLite file."""
     if request.param == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
         return server.url
+    if request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url
     return f"sqlite:///{tmp_path / 'leases.db'}"
 
 
@@ -97,21 +100,23 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'leases.db'}"
 
 
-@pytest.fixture(scope="module")
-def own_postgres() -> Iterator[PostgresServer]:
-    """A PostgreSQL of this module's own, for tests that stop or restart it."""
+@pytest.fixture(scope="module", params=["postgres", pytest.param("mysql", marks=pytest.mark.mysql)])
+def own_server(request: pytest.FixtureRequest) -> Iterator[PostgresServer | MariadbServer]:
+    """A PostgreSQL or MariaDB of this module's own, for tests that stop or restart it."""
     from tests.conftest import serve
 
-    yield from serve(PostgresServer)
+    make: type[PostgresServer] | type[MariadbServer]
+    make = PostgresServer if request.param == "postgres" else MariadbServer
+    yield from serve(make)
 
 
 @pytest.fixture
-def own_postgres_store(own_postgres: PostgresServer, table_name: str) -> Iterator[SqlStore]:
-    store = SqlStore.from_url(own_postgres.url, table_name=table_name)
+def own_store(own_server: PostgresServer | MariadbServer, table_name: str) -> Iterator[SqlStore]:
+    store = SqlStore.from_url(own_server.url, table_name=table_name)
     yield store
     # a test may have left the server stopped
-    if not _port_open(own_postgres.port):
-        own_postgres.start()
+    if not _port_open(own_server.port):
+        own_server.start()
     store.close()
 
 
@@ -133,6 +138,8 @@ def _database_now_ms(store: SqlStore) -> int:
     """The database's clock read with plain SQL, independently of the store."""
     if store.dialect_name == "postgresql":
         query = "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+    elif store.dialect_name == "mysql":
+        query = "SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)"
     else:
         query = "SELECT CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
     with store.engine.connect() as conn:
@@ -147,6 +154,13 @@ def _backdate_completion(store: SqlStore, job_id: str, seconds: float) -> None:
             .where(t.c.job_id == job_id)
             .values(completed_at=t.c.completed_at - round(seconds * 1000))
         )
+
+
+def _statements(store: SqlStore, *, mysql: int, other: int) -> int:
+    """How many statements an operation sends: MySQL decides a claim that
+    finds a record, and a renewal, under the records' locks (a SELECT ...
+    FOR UPDATE before the write)."""
+    return mysql if store.dialect_name == "mysql" else other
 
 
 class StatementLog:
@@ -668,13 +682,13 @@ def sql_store_release(store: SqlStore, acquired: Acquired) -> bool:
     return isinstance(store.release(acquired.job_id, acquired.owner, acquired.generation), Released)
 
 
-def test_postgres_restart_keeps_generations_going_up(
-    own_postgres: PostgresServer, own_postgres_store: SqlStore
+def test_restart_keeps_generations_going_up(
+    own_server: PostgresServer | MariadbServer, own_store: SqlStore
 ) -> None:
-    store = own_postgres_store
+    store = own_store
     first = _acquire(store, "job")
     assert isinstance(store.release("job", A, first.generation), Released)
-    own_postgres.restart()
+    own_server.restart()
     # the same store object reconnects (pool_pre_ping) and the record survived
     second = _acquire(store, "job", owner=B)
     assert second.generation == max(first.generation + 1, second.store_now_ms)
@@ -682,35 +696,35 @@ def test_postgres_restart_keeps_generations_going_up(
     _backdate_completion(store, "job", seconds=120)
     assert store.purge_completed(60) == 1
     assert store.get("job") is None
-    own_postgres.restart()
+    own_server.restart()
     third = _acquire(store, "job")
     assert third.generation > second.generation
 
 
-def test_postgres_stopped_makes_every_operation_store_unavailable(
-    own_postgres: PostgresServer, own_postgres_store: SqlStore
+def test_a_stopped_database_makes_every_operation_store_unavailable(
+    own_server: PostgresServer | MariadbServer, own_store: SqlStore
 ) -> None:
-    store = own_postgres_store
+    store = own_store
     held = _acquire(store, "held")
-    own_postgres.stop()
+    own_server.stop()
     calls = every_operation(store, "held", A, held.generation, 10)
     for name, call in calls.items():
         with pytest.raises(StoreUnavailable) as info:
             call()
         assert isinstance(info.value.__cause__, sa.exc.DBAPIError), name
         assert store.url in str(info.value), name
-    own_postgres.start()
+    own_server.start()
     # nothing happened while it was down: the lease is still A's, "held-new" unknown
     assert store.get("held-new") is None
     assert isinstance(store.renew("held", A, held.generation, 10), Renewed)
 
 
 def test_store_unavailable_names_job_owner_and_generation(
-    own_postgres: PostgresServer, own_postgres_store: SqlStore
+    own_server: PostgresServer | MariadbServer, own_store: SqlStore
 ) -> None:
-    store = own_postgres_store
+    store = own_store
     held = _acquire(store, "held")
-    own_postgres.stop()
+    own_server.stop()
     with pytest.raises(StoreUnavailable, match="during complete of job 'held'") as info:
         store.complete("held", A, held.generation)
     assert (info.value.job_id, info.value.owner, info.value.generation) == (
@@ -779,8 +793,8 @@ def test_renew_many_is_one_statement_when_nothing_is_refused(sql_store: SqlStore
     with StatementLog(sql_store.engine) as log:
         results = sql_store.renew_many(requests)
     assert all(isinstance(r, Renewed) for r in results)
-    assert len(log.statements) == 1
-    assert log.statements[0].lstrip().upper().startswith(("UPDATE", "WITH"))
+    assert len(log.statements) == _statements(sql_store, mysql=2, other=1)
+    assert log.statements[-1].lstrip().upper().startswith(("UPDATE", "WITH"))
 
 
 def test_renew_many_adds_one_select_when_something_is_refused(sql_store: SqlStore) -> None:
@@ -791,7 +805,10 @@ def test_renew_many_adds_one_select_when_something_is_refused(sql_store: SqlStor
         results = sql_store.renew_many(requests)
     assert sum(isinstance(r, Refusal) for r in results) == 5
     assert len(log.statements) == 2
-    assert log.statements[1].lstrip().upper().startswith("SELECT")
+    # MySQL judges the refusals by the records its first SELECT locked
+    first, second = ("SELECT", "UPDATE") if sql_store.dialect_name == "mysql" else ("", "SELECT")
+    assert log.statements[0].lstrip().upper().startswith(first)
+    assert log.statements[1].lstrip().upper().startswith(second)
 
 
 def test_single_operations_are_one_statement_when_they_succeed(sql_store: SqlStore) -> None:
@@ -799,7 +816,7 @@ def test_single_operations_are_one_statement_when_they_succeed(sql_store: SqlSto
         acquired = _acquire(sql_store, "job")
         sql_store.renew("job", A, acquired.generation, 10)
         sql_store.complete("job", A, acquired.generation)
-    assert len(log.statements) == 3
+    assert len(log.statements) == _statements(sql_store, mysql=4, other=3)
 
 
 class CompiledLog:
@@ -864,7 +881,7 @@ def test_claim_over_a_run_out_lease_is_a_takeover_in_one_statement(sql_store: Sq
         time.sleep(0.02)
     with StatementLog(sql_store.engine) as log:
         second = _acquire(sql_store, "job", owner=B)
-    assert len(log.statements) == 1
+    assert len(log.statements) == _statements(sql_store, mysql=3, other=1)
     assert second.generation == max(first.generation + 1, second.store_now_ms)
     assert second.takeovers == 1
     record = sql_store.get("job")
@@ -976,3 +993,112 @@ def test_lease_is_current_clause_ignores_lease_until(sql_store: SqlStore) -> Non
     acquired = _acquire(sql_store, "job", ttl=0.001)
     time.sleep(0.05)
     assert _fenced_write(sql_store, "job", A, acquired.generation, "late")
+
+
+# --- MySQL and MariaDB ------------------------------------------------------------
+
+
+@pytest.mark.mysql
+@pytest.mark.parametrize("scheme", ["mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql"])
+def test_mysql_and_mariadb_urls_open_the_store_with_pymysql(
+    mariadb_server: MariadbServer, scheme: str, table_name: str
+) -> None:
+    url = mariadb_server.url.replace("mysql+pymysql://", f"{scheme}://")
+    store = open_store(url, table_name=table_name)
+    try:
+        assert isinstance(store, SqlStore)
+        assert (store.dialect_name, store.engine.driver) == ("mysql", "pymysql")
+        assert isinstance(store.claim("job", A, 10), Acquired)
+    finally:
+        store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_wrong_password_is_a_configuration_error_without_the_password(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    url = mariadb_server.url.replace(mariadb_server.PASSWORD, "not-the-Pa55word")
+    with pytest.raises(LeaseConfigurationError) as info:
+        open_store(url, table_name=table_name)
+    assert "Access denied" in str(info.value)
+    assert "not-the-Pa55word" not in str(info.value)
+
+
+@pytest.mark.mysql
+def test_mysql_job_ids_that_differ_in_case_or_trailing_space_are_apart(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    # MySQL's default collations would call these equal
+    store = SqlStore.from_url(mariadb_server.url, table_name=table_name)
+    try:
+        generations = [_acquire(store, job).generation for job in ("Job", "job", "job ", "jöb")]
+        assert len(generations) == 4
+        assert [r.job_id for r in store.records()] == sorted(
+            ["Job", "job", "job ", "jöb"], key=str.encode
+        )
+    finally:
+        store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_session_limits_follow_the_store_timeout(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    store = SqlStore.from_url(mariadb_server.url, table_name=table_name, timeout=2.5)
+    try:
+        with store.engine.connect() as conn:
+            row = conn.exec_driver_sql(
+                "SELECT @@innodb_lock_wait_timeout, @@lock_wait_timeout, @@max_statement_time"
+            ).one()
+        assert tuple(row) == (3, 3, 2.5)
+    finally:
+        store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_calls_cost_their_round_trips_and_no_more(
+    mariadb_server: MariadbServer, table_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pymysql.connections
+
+    store = SqlStore.from_url(mariadb_server.url, table_name=table_name)
+    sent: list[str] = []
+    original = pymysql.connections.Connection._execute_command
+
+    def execute_command(self: Any, command: int, sql: str | bytes) -> Any:
+        text = sql.decode() if isinstance(sql, bytes) else sql
+        sent.append(text.split(" ", 1)[0].upper() if text else "PING")
+        return original(self, command, sql)
+
+    try:
+        warm = _acquire(store, "warm")
+        monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", execute_command)
+        acquired = _acquire(store, "job")
+        assert sent == ["PING", "INSERT", "COMMIT"]  # no ROLLBACK of the pool
+        sent.clear()
+        assert isinstance(store.renew("job", A, acquired.generation, 10), Renewed)
+        assert sent == ["PING", "SELECT", "UPDATE", "COMMIT"]
+        sent.clear()
+        assert isinstance(store.complete("warm", A, warm.generation), Completed)
+        assert sent == ["PING", "UPDATE", "COMMIT"]
+        sent.clear()
+        assert store.get("job") is not None
+        # a read ends its own transaction, so no snapshot outlives the call
+        assert sent == ["PING", "SELECT", "ROLLBACK"]
+    finally:
+        store.close()
+
+
+@pytest.mark.mysql
+def test_mysql_engine_passed_in_keeps_its_waits_outside_the_stores_calls(
+    mariadb_server: MariadbServer, table_name: str
+) -> None:
+    engine = sa.create_engine(mariadb_server.url)
+    store = SqlStore(engine, table_name=table_name, timeout=1.0)
+    try:
+        assert isinstance(store.claim("job", A, 10), Acquired)
+        with engine.connect() as conn:
+            # longer than the store's limit of 1 s on each of its own waits
+            assert conn.exec_driver_sql("SELECT SLEEP(2)").scalar_one() == 0
+    finally:
+        engine.dispose()

@@ -1,6 +1,6 @@
 """Every call of the SQL store is bounded: dead pooled connections, held locks.
 
-A real PostgreSQL behind tests/proxy.py. ``blackhole_established()`` makes
+A real PostgreSQL and a real MariaDB, each behind tests/proxy.py. ``blackhole_established()`` makes
 the connections open now go silent (a firewall or NAT that forgot them)
 while new connections pass, as after a failover behind a virtual IP. The
 proxy acknowledges every packet, so no TCP timeout can see it: only the
@@ -22,7 +22,7 @@ from celery_leases.stores.deadline import bounded
 from celery_leases.stores.sql import SqlStore
 from tests.operations import every_operation
 from tests.proxy import Proxy
-from tests.servers import PostgresServer
+from tests.servers import MariadbServer, PostgresServer
 
 A = "worker-a"
 T = TypeVar("T")
@@ -31,15 +31,23 @@ T = TypeVar("T")
 HUNG = 40.0
 
 
+@pytest.fixture(params=["postgres", pytest.param("mysql", marks=pytest.mark.mysql)])
+def database(request: pytest.FixtureRequest) -> PostgresServer | MariadbServer:
+    """The session's PostgreSQL or MariaDB server."""
+    name = "postgres_server" if request.param == "postgres" else "mariadb_server"
+    server: PostgresServer | MariadbServer = request.getfixturevalue(name)
+    return server
+
+
 @pytest.fixture
-def proxy(postgres_server: PostgresServer) -> Iterator[Proxy]:
-    with Proxy("127.0.0.1", postgres_server.port) as proxy:
+def proxy(database: PostgresServer | MariadbServer) -> Iterator[Proxy]:
+    with Proxy("127.0.0.1", database.port) as proxy:
         yield proxy
 
 
 @pytest.fixture
-def proxied_url(postgres_server: PostgresServer, proxy: Proxy) -> str:
-    return postgres_server.url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+def proxied_url(database: PostgresServer | MariadbServer, proxy: Proxy) -> str:
+    return database.url.replace(f":{database.port}/", f":{proxy.port}/")
 
 
 def timed(call: Callable[[], T]) -> tuple[float, T | BaseException]:
@@ -190,10 +198,10 @@ def test_a_renewal_gives_up_at_its_callers_deadline(
 
 
 def test_a_statement_waiting_on_a_row_lock_ends_at_the_servers_limit(
-    postgres_server: PostgresServer, unique: str
+    database: PostgresServer | MariadbServer, unique: str
 ) -> None:
-    store = SqlStore.from_url(postgres_server.url, table_name=f"leases_{unique}", timeout=1.0)
-    blocker = sa.create_engine(postgres_server.url)
+    store = SqlStore.from_url(database.url, table_name=f"leases_{unique}", timeout=1.0)
+    blocker = sa.create_engine(database.url)
     try:
         acquired = store.claim("job", A, 60)
         assert isinstance(acquired, Acquired)
@@ -202,8 +210,11 @@ def test_a_statement_waiting_on_a_row_lock_ends_at_the_servers_limit(
             conn.execute(sa.text(f"SELECT 1 FROM leases_{unique} WHERE job_id = 'job' FOR UPDATE"))  # noqa: S608  (a test table name)
             took, result = timed(lambda: store.renew("job", A, acquired.generation, 60))
             assert isinstance(result, StoreUnavailable), result
-            # lock_timeout and statement_timeout are equal: either may end it
-            assert "lock timeout" in str(result) or "statement timeout" in str(result)
+            # the lock and statement limits are equal: either may end it
+            # (PostgreSQL's lock_timeout, statement_timeout; MariaDB's
+            # innodb_lock_wait_timeout, max_statement_time)
+            limits = ("lock timeout", "statement timeout", "Lock wait timeout", "max_statement")
+            assert any(limit in str(result) for limit in limits), result
             assert took < 1.0 + 3.0
         # the lock is gone and the same store carries on
         assert isinstance(store.release("job", A, acquired.generation), Released)

@@ -5,7 +5,7 @@ a fresh virtualenv outside the checkout, installs ``celery_leases-*.whl[extra]``
 and nothing else, and runs a small program there (no ``PYTHONPATH`` pointing
 back here). ``[redis]`` must start a worker on a Redis broker and run a
 leased task on a Redis store; ``[postgres]`` must claim and complete on a
-PostgreSQL store; and so on. The pip cache makes a repeat run quick.
+PostgreSQL store, ``[mysql]`` on a MariaDB store; and so on. The pip cache makes a repeat run quick.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import MariadbServer, PostgresServer, RedisServer
 
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]
 
@@ -124,7 +124,7 @@ def test_every_user_extra_is_tested() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    tested = {"redis", "sqlalchemy", "postgres", "http", "metrics", "flower", "django"}
+    tested = {"redis", "sqlalchemy", "postgres", "mysql", "http", "metrics", "flower", "django"}
     assert set(extras) - DEVELOPER_EXTRAS == tested
 
 
@@ -180,6 +180,13 @@ def test_postgres_extra_claims_on_a_postgresql_store(
     venv: Venv, postgres_server: PostgresServer
 ) -> None:
     out = venv.run("probe.py", CLAIM_AND_COMPLETE, postgres_server.url)
+    assert "completed generation" in out
+
+
+@pytest.mark.mysql
+@pytest.mark.parametrize("venv", ["mysql"], indirect=True)
+def test_mysql_extra_claims_on_a_mariadb_store(venv: Venv, mariadb_server: MariadbServer) -> None:
+    out = venv.run("probe.py", CLAIM_AND_COMPLETE, mariadb_server.url)
     assert "completed generation" in out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from celery_leases import LeaseConfigurationError, LeaseError, open_store
@@ -25,7 +27,7 @@ def test_scheme_is_case_insensitive() -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["mysql://localhost/db", "http://localhost:6379", "mongodb://x", "://nothing"]
+    "url", ["oracle://localhost/db", "http://localhost:6379", "mongodb://x", "://nothing"]
 )
 def test_unknown_scheme_is_a_configuration_error(url: str) -> None:
     with pytest.raises(LeaseConfigurationError, match="unknown lease store scheme") as info:
@@ -52,7 +54,7 @@ def test_an_option_the_store_does_not_take_is_a_configuration_error() -> None:
 @pytest.mark.parametrize(
     "url",
     [
-        "mysql://admin:Pa55-secret@localhost/db",
+        "oracle://admin:Pa55-secret@localhost/db",
         "admin:Pa55-secret@localhost:6379",
         "postgresql://admin:Pa55-secret@host:notaport/db",
         "redis://localhost:99999999/0?password=Pa55-secret",
@@ -94,3 +96,11 @@ def test_a_builtin_scheme_cannot_be_registered(scheme: str) -> None:
 def test_a_django_url_without_the_django_app_says_what_to_add() -> None:
     with pytest.raises(LeaseConfigurationError, match=r"celery_leases\.contrib\.django"):
         open_store("django://default")
+
+
+def test_a_missing_mysql_driver_names_the_mysql_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("sqlalchemy")
+    monkeypatch.setitem(sys.modules, "pymysql", None)  # import pymysql now fails
+    with pytest.raises(LeaseConfigurationError, match=r"celery-leases\[mysql\]") as info:
+        open_store("mysql+pymysql://app:Pa55-secret@localhost/db")
+    assert "Pa55-secret" not in str(info.value)
