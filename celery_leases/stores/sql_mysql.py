@@ -98,6 +98,7 @@ def _claim_upsert(t: sa.Table, dialect: _Dialect) -> Any:
         renew_count=0,
         takeovers=0,
         send_id=sa.bindparam("p_send_id"),
+        task_id=sa.bindparam("p_task_id"),
     )
     keep = sa.func.IF(sa.func.LAST_INSERT_ID(MYSQL_ROW_EXISTED), t.c.job_id, t.c.job_id)
     return insert.on_duplicate_key_update(job_id=keep)
@@ -134,6 +135,7 @@ class _MysqlStatements:
             "renew_count": 0,
             "takeovers": sa.bindparam("p_takeovers", type_=sa.Integer),
             "send_id": sa.bindparam("p_send_id"),
+            "task_id": sa.bindparam("p_task_id"),
         }
         return cls(
             lock_records=(
