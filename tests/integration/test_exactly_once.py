@@ -22,17 +22,20 @@ from celery_leases.exactly_once import exactly_once
 from celery_leases.outcome import decode
 from celery_leases.task import store_for
 from tests.integration.conftest import WAIT, Recorder, worker
-from tests.servers import PostgresServer
+from tests.servers import MariadbServer, PostgresServer
 
 pytestmark = pytest.mark.redis
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
+@pytest.fixture(params=["postgres", "sqlite", "mysql"])
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The URL of the database that holds both the lease table and the task's."""
     if request.param == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
         return server.url
+    if request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url
     return f"sqlite:///{tmp_path / 'app.db'}"
 
 
@@ -297,10 +300,12 @@ def test_a_store_outside_sql_is_refused(
 
 def fail_transiently(conn: sa.Connection) -> None:
     """A statement that fails as a lost connection or a timeout would
-    (``OperationalError``), in either database."""
+    (``OperationalError``), in each database."""
     if conn.dialect.name == "postgresql":
         conn.execute(sa.text("SET LOCAL statement_timeout = 1"))
         conn.execute(sa.text("SELECT pg_sleep(1)"))
+    elif conn.dialect.name in ("mysql", "mariadb"):
+        conn.execute(sa.text("SET STATEMENT max_statement_time = 0.001 FOR SELECT SLEEP(1)"))
     else:
         conn.execute(sa.text("SELECT * FROM a_table_that_is_not_there"))
 
