@@ -26,10 +26,12 @@ from tests.acceptance.conftest import Cluster, StoreTarget
 from tests.acceptance.harness import wait_until
 from tests.acceptance.once_app import ONCE, STEPS, effects_table, engine_for
 
-# The kills at every step run on both databases; the rest on SQLite here, and
+# The kills at every step run on PostgreSQL, SQLite and MariaDB; the rest on SQLite here, and
 # on PostgreSQL, with partitions and store restarts besides, in the chaos
 # harness's once profile (tests/chaos/test_chaos_run.py)
-BOTH = pytest.mark.parametrize("lease_store_target", ["postgres", "sqlite"], indirect=True)
+EVERY_DATABASE = pytest.mark.parametrize(
+    "lease_store_target", ["postgres", "sqlite", "mysql"], indirect=True
+)
 SQLITE = pytest.mark.parametrize("lease_store_target", ["sqlite"], indirect=True)
 
 ONCE_APP = "tests.acceptance.once_app"
@@ -76,7 +78,7 @@ def kills(cluster: Cluster) -> dict[str, int]:
     return {step: int(cluster.side.client.get(f"side:once-kills:{step}") or 0) for step in STEPS}
 
 
-@BOTH
+@EVERY_DATABASE
 def test_every_effect_is_applied_once_under_duplicates_and_a_kill_at_every_step(
     cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
 ) -> None:
