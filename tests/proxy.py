@@ -13,6 +13,7 @@ Put it between a client (a worker's store connection) and a server::
     proxy.refuse()          # close new connections at once (a server that is down)
     proxy.delay(0.5)        # every chunk waits 0.5 s in each direction
     proxy.cut()             # close every connection now
+    proxy.requests          # how many request chunks clients sent
     proxy.close()
 
 Black-holed bytes are thrown away, as a network that lost them would. It
@@ -55,6 +56,9 @@ class Proxy:
         self._blackhole_next = False
         self._holed: set[int] = set()
         self.dropped_replies = 0
+        #: chunks read from clients and forwarded or held: a client's request,
+        #: sent in one write, is one chunk
+        self.requests = 0
         self._connections: list[tuple[socket.socket, socket.socket]] = []
         self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
         self._thread.start()
@@ -199,6 +203,7 @@ class Proxy:
                     blackholed = self._blackholed or id(pair[0]) in self._holed
                     delay = self._delay
                     if not replies:
+                        self.requests += 1
                         self._watch_request(data, pair)
                     silenced = replies and id(pair[0]) in self._silenced
                     drop = replies and not blackholed and not silenced and self._take_drop(pair)

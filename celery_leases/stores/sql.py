@@ -55,6 +55,7 @@ from celery_leases.stores.sql_engine import (
     create_table,
     dialect_for,
     masked_url,
+    ping_when_idle,
 )
 from celery_leases.stores.sql_errors import DRIVER_ERRORS, lost_connection, store_error
 from celery_leases.stores.sql_mysql import MysqlOperations, _MysqlStatements
@@ -202,8 +203,11 @@ class SqlStore(LeaseStore):
             parsed = parsed.set(drivername="postgresql+psycopg")
         if parsed.drivername in MYSQL_NAMES:
             parsed = parsed.set(drivername=f"{parsed.drivername}+pymysql")
-        if parsed.get_backend_name() in ("postgresql", *MYSQL_NAMES):
-            engine_options.setdefault("pool_pre_ping", True)
+        # a server's pooled connections are pinged only after they sat idle
+        # (ping_when_idle), unless the caller chose pool_pre_ping itself
+        idle_ping = parsed.get_backend_name() in ("postgresql", *MYSQL_NAMES) and (
+            "pool_pre_ping" not in engine_options
+        )
         if parsed.get_backend_name() in MYSQL_NAMES:
             # Every store call ends its transaction itself (a COMMIT, or the
             # ROLLBACK of a read's connection on close); the pool's own
@@ -217,6 +221,8 @@ class SqlStore(LeaseStore):
                 f"installed ({error}): pip install 'celery-leases[postgres]' for PostgreSQL, "
                 "'celery-leases[mysql]' for MySQL or MariaDB"
             ) from error
+        if idle_ping:
+            ping_when_idle(engine)
         store = cls.__new__(cls)
         try:
             store._init(engine, table_name, create_table, timeout, server_limits=True)

@@ -173,6 +173,47 @@ def check_columns(engine: Engine, table: sa.Table) -> None:
         )
 
 
+#: a pooled connection idle this long (seconds) is pinged before a store
+#: call uses it; one used more recently is trusted
+PING_AFTER_IDLE = 1.0
+_IDLE_SINCE = "celery_leases_idle_since"
+
+
+def ping_when_idle(engine: Engine, idle: float = PING_AFTER_IDLE) -> None:
+    """Ping a pooled connection at checkout only when it sat idle ``idle``
+    seconds or more (SQLAlchemy's ``pool_pre_ping`` pings at every checkout,
+    one more round trip per store call).
+
+    A connection that went dead while idle (the server restarted, or a
+    firewall dropped it) is replaced before the call, as with
+    ``pool_pre_ping``. One that died within the last ``idle`` seconds is
+    found by the call itself, which is judged as any lost connection:
+    retried on a fresh connection where that is safe, else
+    ``StoreUnavailable`` (the task waits), and SQLAlchemy replaces the
+    pool's connections for the next call.
+    """
+
+    def stamp(dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    def checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get(_IDLE_SINCE)
+        if since is not None and time.monotonic() - since < idle:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            if engine.dialect.is_disconnect(error, dbapi_connection, None):
+                raise exc.DisconnectionError(str(error)) from error
+            raise
+        if not alive:
+            raise exc.DisconnectionError("the ping got no answer")
+
+    event.listen(engine, "connect", stamp)
+    event.listen(engine, "checkin", stamp)
+    event.listen(engine, "checkout", checkout)
+
+
 def check_timeout(timeout: object) -> float:
     if (
         isinstance(timeout, bool)

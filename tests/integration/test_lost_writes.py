@@ -153,7 +153,10 @@ def test_postgres_asynchronous_commit_stopped_in_immediate_mode(
         assert isinstance(store, SqlStore)
         with store.engine.connect() as conn:
             conn.exec_driver_sql("CHECKPOINT")  # these claims are on disk
-        before.claim_and_release()
+            # the next commits start a fresh WAL segment: they stay within one
+            # WAL page, whose filling would wake the WAL writer to flush them
+            conn.exec_driver_sql("SELECT pg_switch_wal()")
+        before.claim_and_release(rounds=2)
         lossy_postgres.stop("immediate")
         lossy_postgres.start()
         assert_lost_then_above(store, before, fence)

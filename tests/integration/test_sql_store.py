@@ -15,7 +15,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,9 @@ from celery_leases import (
 )
 from celery_leases.stores import sql
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
+from celery_leases.stores.sql_engine import PING_AFTER_IDLE
 from tests.operations import every_operation
+from tests.proxy import Proxy
 from tests.servers import MariadbServer, PostgresServer
 
 A = "worker-a"
@@ -1077,16 +1079,21 @@ def test_mysql_calls_cost_their_round_trips_and_no_more(
         warm = _acquire(store, "warm")
         monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", execute_command)
         acquired = _acquire(store, "job")
-        assert sent == ["PING", "INSERT", "COMMIT"]  # no ROLLBACK of the pool
+        # no ROLLBACK of the pool, and no ping of a connection used just now
+        assert sent == ["INSERT", "COMMIT"]
         sent.clear()
         assert isinstance(store.renew("job", A, acquired.generation, 10), Renewed)
-        assert sent == ["PING", "SELECT", "UPDATE", "COMMIT"]
+        assert sent == ["SELECT", "UPDATE", "COMMIT"]
         sent.clear()
         assert isinstance(store.complete("warm", A, warm.generation), Completed)
-        assert sent == ["PING", "UPDATE", "COMMIT"]
+        assert sent == ["UPDATE", "COMMIT"]
         sent.clear()
         assert store.get("job") is not None
         # a read ends its own transaction, so no snapshot outlives the call
+        assert sent == ["SELECT", "ROLLBACK"]
+        sent.clear()
+        time.sleep(PING_AFTER_IDLE)  # a connection idle this long is pinged first
+        assert store.get("job") is not None
         assert sent == ["PING", "SELECT", "ROLLBACK"]
     finally:
         store.close()
@@ -1105,3 +1112,39 @@ def test_mysql_engine_passed_in_keeps_its_waits_outside_the_stores_calls(
             assert conn.exec_driver_sql("SELECT SLEEP(2)").scalar_one() == 0
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgresql_calls_are_one_round_trip_each(
+    postgres_server: PostgresServer, table_name: str
+) -> None:
+    proxy = Proxy("127.0.0.1", postgres_server.port)
+    url = postgres_server.url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+    store = SqlStore.from_url(url, table_name=table_name)
+
+    def trips(call: Callable[[], object]) -> int:
+        before = proxy.requests
+        call()
+        return proxy.requests - before
+
+    try:
+        # past psycopg's prepare threshold (5), whose preparing costs a trip once
+        for n in range(8):
+            warm = _acquire(store, f"warm-{n}")
+            store.renew(warm.job_id, A, warm.generation, 10)
+            store.renew_many([RenewRequest(warm.job_id, A, warm.generation, 10)])
+            store.complete(warm.job_id, A, warm.generation)
+            released = _acquire(store, f"released-{n}")
+            store.release(released.job_id, A, released.generation)
+        job = _acquire(store, "job")
+        other = _acquire(store, "other")
+        assert trips(lambda: _acquire(store, "new")) == 1
+        assert trips(lambda: store.renew("job", A, job.generation, 10)) == 1
+        assert trips(lambda: store.renew_many([RenewRequest("job", A, job.generation, 10)])) == 1
+        assert trips(lambda: store.complete("job", A, job.generation)) == 1
+        assert trips(lambda: store.release("other", A, other.generation)) == 1
+        time.sleep(PING_AFTER_IDLE)  # an idle connection is pinged first: two
+        assert trips(lambda: store.get("job")) == 2
+    finally:
+        store.close()
+        proxy.close()

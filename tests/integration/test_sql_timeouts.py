@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from celery_leases import Acquired, Completed, Released, Renewed, RenewRequest, StoreUnavailable
 from celery_leases.stores.deadline import bounded
 from celery_leases.stores.sql import SqlStore
+from celery_leases.stores.sql_engine import PING_AFTER_IDLE
 from tests.operations import every_operation
 from tests.proxy import Proxy
 from tests.servers import MariadbServer, PostgresServer
@@ -81,6 +82,7 @@ def test_a_claim_on_a_silently_dead_pooled_connection_recovers_on_a_fresh_one(
     try:
         assert isinstance(store.claim("warm", A, 30), Acquired)  # a pooled connection
         proxy.blackhole_established()
+        time.sleep(PING_AFTER_IDLE)  # idle this long, it is pinged before the claim
         took, result = timed(lambda: store.claim("job", A, 30))
         assert isinstance(result, Acquired), result
         # the ping on the dead connection waited out its limit, then a new
@@ -102,6 +104,7 @@ def test_every_operation_returns_in_time_when_its_pooled_connection_goes_silent(
         assert isinstance(acquired, Acquired)
         for name, call in every_operation(store, "job", A, acquired.generation, 60).items():
             proxy.blackhole_established()
+            time.sleep(PING_AFTER_IDLE)  # idle this long, it is pinged first
             took, result = timed(call)
             # a ping that times out, a fresh connection, the statement
             assert took < 1.0 + 8.0, name
