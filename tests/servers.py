@@ -295,9 +295,13 @@ class MariadbServer(_ServerProcess):
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         user = ["--user=root"] if os.geteuid() == 0 else []
+        # a temporary folder of its own: servers bootstrapped at once in /tmp
+        # meet each other's temporary tables there
+        self.tmp = self.root / "tmp"
+        self.tmp.mkdir()
         subprocess.run(
             [
-                install, "--no-defaults", f"--datadir={self.data}",
+                install, "--no-defaults", f"--datadir={self.data}", f"--tmpdir={self.tmp}",
                 "--auth-root-authentication-method=socket", "--skip-test-db", *user,
             ],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -319,6 +323,7 @@ class MariadbServer(_ServerProcess):
             self.binary,
             "--no-defaults",
             f"--datadir={self.data}",
+            f"--tmpdir={self.tmp}",
             f"--socket={self.socket}",
             f"--pid-file={self.root / 'mariadb.pid'}",
             f"--log-error={self.root / 'mariadb.log'}",
