@@ -166,7 +166,9 @@ def _engine(using: str) -> Engine:
                 connections[using].ensure_connection()
                 return _Lent(connections[using].connection)
 
-            options: dict[str, Any] = {"use_native_hstore": False} if url.drivername != "sqlite" else {}
+            options: dict[str, Any] = (
+                {"use_native_hstore": False} if url.drivername != "sqlite" else {}
+            )
             engine = sa.create_engine(
                 url.set(password=None),
                 creator=lend,
