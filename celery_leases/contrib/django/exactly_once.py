@@ -60,7 +60,8 @@ def exactly_once(task: Any, using: str = "default") -> Iterator[ExactlyOnce]:
         using: the ``DATABASES`` alias of the writes and of the lease store.
 
     Yields:
-        The :class:`~celery_leases.exactly_once.ExactlyOnce` transaction.
+        The :class:`~celery_leases.exactly_once.ExactlyOnce` transaction;
+        its ``connection`` is a SQLAlchemy connection on the same transaction.
 
     Raises:
         LeaseLost: the lease is not current, or the database failed before
