@@ -223,3 +223,22 @@ def test_a_store_on_another_database_is_refused(tmp_path: Path) -> None:
         assert other.get(task.lease.job_id).state is LeaseState.HELD  # type: ignore[union-attr]
     finally:
         other.close()
+
+
+def test_an_error_in_the_block_rolls_its_rows_back_and_passes_through(
+    django_store: LeaseStore,
+) -> None:
+    task = held_by_this_process(django_store)
+    order = Order.objects.create()
+
+    def fail_after_a_row() -> None:
+        with exactly_once(task):
+            Shipment.objects.create(order=order, job_id=task.lease.job_id, generation=1)
+            raise ValueError("the carrier said no")
+
+    with pytest.raises(ValueError, match="the carrier said no"):
+        fail_after_a_row()
+    assert shipments(task.lease.job_id) == []
+    assert django_store.get(task.lease.job_id).state is LeaseState.HELD  # type: ignore[union-attr]
+    assert not task.lease.lost
+    assert connection.get_autocommit()
