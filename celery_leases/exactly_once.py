@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
@@ -119,6 +119,37 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
             without ``tx.complete()``; nothing was committed.
         LeaseError: the run already completed in such a transaction.
     """
+    with run_once(task, _opened(bind), failures=(exc.OperationalError,)) as tx:
+        yield tx
+
+
+class OpenTransaction(NamedTuple):
+    """A transaction :func:`run_once` completes in: its connection, the session
+    (if any), and how to commit and roll it back. ``before_complete`` runs
+    after the body, before the completion (a session's flush; a check that
+    the transaction can still commit)."""
+
+    connection: Connection
+    session: Session | None
+    commit: Callable[[], None]
+    rollback: Callable[[], None]
+    before_complete: Callable[[], None]
+
+
+@contextlib.contextmanager
+def run_once(
+    task: Any,
+    opened: contextlib.AbstractContextManager[OpenTransaction],
+    *,
+    failures: tuple[type[BaseException], ...],
+) -> Iterator[ExactlyOnce]:
+    """The mechanism of :func:`exactly_once` in the transaction ``opened`` gives.
+
+    The lease is checked before ``opened`` is entered, the record locked as
+    the transaction's first statement and completed as its last; a failure
+    of one of ``failures`` (the database's: a lost connection, a timeout)
+    before the commit makes the lease lost with ``reason`` ``"unavailable"``.
+    """
     lease: Lease = task.lease
     store = _sql_store(lease)
     if lease.completed_in_transaction:
@@ -129,7 +160,7 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
             generation=lease.generation,
         )
     lease.check()
-    with _opened(bind) as (connection, session, commit, rollback):
+    with opened as (connection, session, commit, rollback, before_complete):
         try:
             _fenced(lease, lock_in_transaction, connection, store)
             tx = ExactlyOnce(connection, session, lease)
@@ -142,12 +173,11 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
                     job_id=lease.job_id,
                     generation=lease.generation,
                 )
-            if session is not None:
-                session.flush()
+            before_complete()
             lease.check()
             outcome = encode_value(tx._value, **outcome_options(task))
             _fenced(lease, complete_in_transaction, connection, store, outcome)
-        except exc.OperationalError as error:
+        except failures as error:
             # a lost connection, a timeout, a lock not granted: nothing was
             # committed, so the job runs again (a constraint or a bad
             # statement is the task's own error and passes through)
@@ -155,14 +185,15 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
             raise _unavailable(
                 lease,
                 f"the transaction of job {lease.job_id!r} (generation {lease.generation}) "
-                f"failed: {error.orig}; it was rolled back, nothing was written",
+                f"failed: {getattr(error, 'orig', None) or error}; it was rolled back, "
+                "nothing was written",
             ) from error
         except BaseException:
             _roll_back(rollback)
             raise
         try:
             commit()
-        except exc.OperationalError as error:
+        except failures as error:
             # the reply may be lost after the server committed: ask the record
             _settle_commit(lease, error)
     lease.finish()
@@ -218,7 +249,7 @@ def _unavailable(lease: Lease, detail: str) -> LeaseLost:
     return lost
 
 
-def _settle_commit(lease: Lease, error: exc.DBAPIError) -> None:
+def _settle_commit(lease: Lease, error: BaseException) -> None:
     """The COMMIT failed: judge by the record whether it was applied.
 
     A release answers it (protocol duty 6): refused because this very run
@@ -242,24 +273,27 @@ def _settle_commit(lease: Lease, error: exc.DBAPIError) -> None:
     raise _unavailable(lease, f"{detail}; nothing was committed") from error
 
 
-_Opened = tuple[Connection, Session | None, Callable[[], None], Callable[[], None]]
+def _nothing() -> None:
+    pass
 
 
 @contextlib.contextmanager
-def _opened(bind: Bind) -> Iterator[_Opened]:
+def _opened(bind: Bind) -> Iterator[OpenTransaction]:
     """The connection of a new transaction on ``bind``, with its commit and rollback."""
     if isinstance(bind, Session):
         _not_in_transaction(bind.in_transaction(), "session")
         bind.begin()
-        yield bind.connection(), bind, bind.commit, bind.rollback
+        yield OpenTransaction(bind.connection(), bind, bind.commit, bind.rollback, bind.flush)
     elif isinstance(bind, Connection):
         _not_in_transaction(bind.in_transaction(), "connection")
         transaction = bind.begin()
-        yield bind, None, transaction.commit, transaction.rollback
+        yield OpenTransaction(bind, None, transaction.commit, transaction.rollback, _nothing)
     elif isinstance(bind, Engine):
         with bind.connect() as connection:
             transaction = connection.begin()
-            yield connection, None, transaction.commit, transaction.rollback
+            yield OpenTransaction(
+                connection, None, transaction.commit, transaction.rollback, _nothing
+            )
     else:
         raise LeaseConfigurationError(
             f"exactly_once needs a SQLAlchemy Engine, Connection or Session, not "

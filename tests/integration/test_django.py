@@ -31,6 +31,7 @@ POSTGRES_TESTS = [
     DJANGO_APP / "test_schema.py",
     DJANGO_APP / "test_orm_fencing.py",
     DJANGO_APP / "test_workers.py",
+    DJANGO_APP / "test_exactly_once.py",
 ]
 
 

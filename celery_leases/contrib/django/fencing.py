@@ -10,12 +10,8 @@
 
 Each takes the lease (or any ``FencingToken``) and ``on_repeat`` like the
 SQLAlchemy forms, and returns the same :class:`~celery_leases.fencing.FenceResult`.
-Writes that commit with the lease's completion (exactly once, as
-:mod:`celery_leases.exactly_once` does for SQLAlchemy) are not part of this
-module yet: an ORM form would run the two statements of
-:mod:`celery_leases.fencing.sql_once` (lock the lease record, the fenced
-completion) on Django's connection inside ``transaction.atomic()``; the
-migrated lease table is already the one those statements expect.
+Writes that commit with the lease's completion (exactly once) are
+:mod:`.exactly_once`'s.
 """
 
 from __future__ import annotations

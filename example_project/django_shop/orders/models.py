@@ -9,3 +9,15 @@ class Order(models.Model):
 
 
 # --8<-- [end:model]
+
+
+# --8<-- [start:shipment]
+class Shipment(models.Model):
+    """One shipment per order, written exactly once by ``orders.tasks.ship``."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE)
+    job_id = models.CharField(max_length=255)
+    generation = models.BigIntegerField()
+
+
+# --8<-- [end:shipment]

@@ -1,0 +1,206 @@
+"""Exactly-once ORM writes: the task's writes and its completion in one ``atomic()``.
+
+The ORM form of :mod:`celery_leases.exactly_once`: :func:`exactly_once`
+opens ``transaction.atomic(using=alias)`` on Django's own connection, locks
+the lease record as its first statement and ends with the fenced completion
+as its last, so the ORM writes of the block and the completion commit
+together, once::
+
+    @shared_task(base=LeasedTask, bind=True)
+    def ship(self, order_id):
+        with exactly_once(self) as tx:             # atomic(); lock the lease record
+            Shipment.objects.create(order_id=order_id)
+            return tx.complete(order_id)           # completion written; COMMIT on exit
+
+The two statements are the store's own (:mod:`celery_leases.fencing.sql_once`),
+run through SQLAlchemy on Django's DB-API connection, which is lent for
+the block: SQLAlchemy never commits, rolls back or closes it; Django's
+``atomic()`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import sqlalchemy as sa
+from django.db import DatabaseError, connections, transaction
+from django.db import OperationalError as DjangoOperationalError
+from sqlalchemy import exc
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
+
+from celery_leases.contrib.django.store import database_url
+from celery_leases.errors import LeaseConfigurationError
+from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, run_once
+
+__all__ = ["exactly_once"]
+
+#: the database failing under the block: the lease is lost, the job runs again
+_FAILURES = (exc.OperationalError, DjangoOperationalError)
+
+
+@contextlib.contextmanager
+def exactly_once(task: Any, using: str = "default") -> Iterator[ExactlyOnce]:
+    """One ``transaction.atomic(using=using)`` holding the ORM writes and the completion.
+
+    Call it in the body of a ``LeasedTask`` whose lease store is on the
+    database of ``using`` (``CELERY_LEASES_STORE = "django://<alias>"``, or a
+    URL of the same database), outside any ``atomic()`` block. Make the
+    writes inside the block (on ``using``) and call ``tx.complete(value)``;
+    leaving the block commits both. Keep the block short: the lease record
+    stays locked until the commit. ``atomic()`` blocks inside it are
+    savepoints of its transaction.
+
+    Args:
+        task: the running task (``self``).
+        using: the ``DATABASES`` alias of the writes and of the lease store.
+
+    Yields:
+        The :class:`~celery_leases.exactly_once.ExactlyOnce` transaction;
+        its ``connection`` is a SQLAlchemy connection on the same transaction.
+
+    Raises:
+        LeaseLost: the lease is not current, or the database failed before
+            the commit; nothing was committed, and the run ends fenced out.
+        LeaseConfigurationError: the lease store is not on the database of
+            ``using``, the block is inside an ``atomic()`` block or the alias
+            does not commit on its own (``AUTOCOMMIT`` off), the block was
+            marked for rollback, or it ended without ``tx.complete()``;
+            nothing was committed.
+    """
+    with run_once(task, _atomic(task, using), failures=_FAILURES) as tx:
+        yield tx
+
+
+@contextlib.contextmanager
+def _atomic(task: Any, using: str) -> Iterator[OpenTransaction]:
+    """``atomic(using=using)``, with a SQLAlchemy connection on its DB-API connection."""
+    _check_same_database(task, using)
+    connection = connections[using]
+    if connection.in_atomic_block:
+        raise LeaseConfigurationError(
+            f"exactly_once(using={using!r}) was called inside an atomic() block: its "
+            "transaction is the one that completes the job, and an enclosing block would "
+            "commit (or roll back) it later, after the job was reported completed. Call "
+            "it outside any atomic() block; atomic() blocks inside it are savepoints"
+        )
+    if not connection.get_autocommit():
+        raise LeaseConfigurationError(
+            f"DATABASES[{using!r}] has AUTOCOMMIT off: atomic() then does not commit, so "
+            "the completion would not commit with your writes. exactly_once needs the "
+            "default, AUTOCOMMIT on"
+        )
+    engine = _engine(using)
+    atomic = transaction.atomic(using=using, durable=True)
+    atomic.__enter__()
+    ended = False
+
+    def end(*, commit: bool) -> None:
+        nonlocal ended
+        ended = True
+        if not commit:
+            transaction.set_rollback(True, using=using)
+        atomic.__exit__(None, None, None)
+
+    def roll_back() -> None:
+        # on a dead connection the rollback fails too; the error that broke
+        # the transaction is the one to raise
+        with contextlib.suppress(DatabaseError):
+            end(commit=False)
+
+    def before_complete() -> None:
+        if connection.needs_rollback or connection.closed_in_transaction:
+            raise LeaseConfigurationError(
+                f"the exactly_once block on {using!r} was marked for rollback (an error "
+                "caught inside atomic() without a savepoint, transaction.set_rollback(), "
+                "or a closed connection): it was rolled back with its completion"
+            )
+
+    try:
+        with engine.connect() as lent:
+            yield OpenTransaction(lent, None, lambda: end(commit=True), roll_back, before_complete)
+    finally:
+        if not ended:
+            roll_back()
+
+
+class _Lent:
+    """Django's DB-API connection as SQLAlchemy sees it: every call but
+    ``commit``, ``rollback`` and ``close`` reaches the connection; those three
+    are Django's, which ends the transaction in ``atomic()``."""
+
+    def __init__(self, dbapi_connection: Any) -> None:
+        self._dbapi_connection = dbapi_connection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dbapi_connection, name)
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_engines: dict[tuple[int, str, str], Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine(using: str) -> Engine:
+    """An engine whose connections are Django's connection of ``using`` in
+    the calling thread, lent (one per process and alias; made outside any
+    transaction, where its first connection reads the server's settings)."""
+    url = database_url(using)
+    key = (os.getpid(), using, url.render_as_string(hide_password=True))
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+
+            def lend() -> _Lent:
+                connections[using].ensure_connection()
+                return _Lent(connections[using].connection)
+
+            options: dict[str, Any] = (
+                {"use_native_hstore": False} if url.drivername != "sqlite" else {}
+            )
+            engine = sa.create_engine(
+                url.set(password=None),
+                creator=lend,
+                poolclass=NullPool,
+                pool_reset_on_return=None,
+                **options,
+            )
+            with engine.connect():
+                pass  # the first connection initializes the dialect
+            _engines[key] = engine
+    return engine
+
+
+def _check_same_database(task: Any, using: str) -> None:
+    """Refuse a lease store on another database than ``using``'s."""
+    store = task.lease.store
+    store_engine = getattr(store, "engine", None)
+    if not isinstance(store_engine, Engine):
+        return  # not an SQL store: run_once says so
+    if _identity(store_engine.url) != _identity(database_url(using)):
+        raise LeaseConfigurationError(
+            f"exactly_once(using={using!r}) needs the lease store on the database of "
+            f"DATABASES[{using!r}], but the store is on {store.url}: the completion can only "
+            f"commit with your writes in one database. Set CELERY_LEASES_STORE = "
+            f"'django://{using}'",
+            job_id=task.lease.job_id,
+        )
+
+
+def _identity(url: sa.URL) -> tuple[str, ...]:
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        return (backend, os.path.realpath(url.database or ""))
+    return (backend, url.host or "localhost", str(url.port or 5432), url.database or "")
