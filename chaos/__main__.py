@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a profile and check its history")
     run.add_argument("--profile", default="ci", choices=["ci", "green", "variant", "once", "long"])
-    run.add_argument("--store", default="redis", choices=["redis", "postgres"])
+    run.add_argument("--store", default="redis", choices=["redis", "postgres", "mysql"])
     run.add_argument(
         "--broker", default="redis", choices=["redis", "amqp"],
         help="amqp: a private RabbitMQ node (results stay on Redis)",

@@ -46,14 +46,20 @@ def engine_for(url: str) -> sa.Engine:
     parsed = sa.make_url(url)
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
-    return sa.create_engine(
-        parsed,
-        pool_pre_ping=True,
-        connect_args={
+    connect_args: dict[str, Any]
+    if parsed.get_backend_name() == "mysql":
+        connect_args = {
+            "connect_timeout": 3,
+            "read_timeout": 10,
+            "write_timeout": 10,
+            "init_command": "SET SESSION innodb_lock_wait_timeout=3, max_statement_time=3",
+        }
+    else:
+        connect_args = {
             "connect_timeout": 3,
             "options": "-c statement_timeout=3000 -c lock_timeout=3000",
-        },
-    )
+        }
+    return sa.create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
 
 
 def create_effects(url: str, name: str) -> None:

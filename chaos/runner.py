@@ -25,9 +25,12 @@ from chaos.targets import RedisTarget, SqlTarget
 from tests.acceptance.harness import Worker
 from tests.broker_servers import RabbitServer
 from tests.proxy import Proxy
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import MariadbServer, PostgresServer, RedisServer
 
-__all__ = ["PROFILES", "Profile", "run"]
+__all__ = ["PROFILES", "STORE_KINDS", "Profile", "run"]
+
+#: the lease stores a run can use: a Redis server, PostgreSQL, MariaDB
+STORE_KINDS = ("redis", "postgres", "mysql")
 
 #: workers: (pool, concurrency, clock) per worker; clock skews the wall clock
 #: ("" none, "+300" / "-300" seconds, "x2" twice as fast; see chaos.app)
@@ -169,8 +172,10 @@ def run(
         profile = dataclasses.replace(
             profile, workers=tuple((pool, n, clock) for _, n, clock in profile.workers)
         )
-    if profile.once and store_kind != "postgres":
-        raise ValueError("the once profile needs the postgres store: its effects live there")
+    if store_kind not in STORE_KINDS:
+        raise ValueError(f"unknown store kind {store_kind!r}: one of {', '.join(STORE_KINDS)}")
+    if profile.once and store_kind == "redis":
+        raise ValueError("the once profile needs a SQL store (postgres, mysql) for its rows")
     out.mkdir(parents=True, exist_ok=True)
     (out / "history").mkdir(exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -185,9 +190,14 @@ def run(
             raise ValueError(f"unknown broker kind {broker_kind!r}: 'redis' or 'amqp'")
         target_pg = PostgresServer()
         stack.callback(target_pg.close)
-        store_server: RedisServer | _DurablePostgres
+        store_server: RedisServer | MariadbServer | _DurablePostgres
         if store_kind == "redis":
             store_server = RedisServer()
+            control = StoreControl(kill=store_server.kill, start=store_server.start)
+        elif store_kind == "mysql":
+            # SIGKILL of the server alone keeps every acknowledged commit: InnoDB
+            # wrote it to the log (in the OS's cache) before the reply
+            store_server = MariadbServer()
             control = StoreControl(kill=store_server.kill, start=store_server.start)
         else:
             pg = store_server = _DurablePostgres()

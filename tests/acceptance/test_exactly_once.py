@@ -1,7 +1,7 @@
 """Exactly-once database effects with real workers, kills, pauses and duplicates.
 
 Each job of ``acceptance.once`` inserts one row in a table of the lease
-store's own database (PostgreSQL or SQLite), inside ``exactly_once``. The
+store's own database (PostgreSQL, SQLite or MariaDB), inside ``exactly_once``. The
 pool process SIGKILLs itself once per job at every step (before the
 transaction, inside it, after the commit, after Celery stored the result),
 each message is delivered twice, and a worker is frozen past its lease; the
@@ -26,13 +26,12 @@ from tests.acceptance.conftest import Cluster, StoreTarget
 from tests.acceptance.harness import wait_until
 from tests.acceptance.once_app import ONCE, STEPS, effects_table, engine_for
 
-# The kills at every step run on PostgreSQL, SQLite and MariaDB; the rest on SQLite here, and
-# on PostgreSQL, with partitions and store restarts besides, in the chaos
-# harness's once profile (tests/chaos/test_chaos_run.py)
+# Every test here runs on PostgreSQL, SQLite and MariaDB; on PostgreSQL and
+# MariaDB, with partitions and store restarts besides, in the chaos harness's
+# once profile too (tests/chaos/test_chaos_run.py)
 EVERY_DATABASE = pytest.mark.parametrize(
     "lease_store_target", ["postgres", "sqlite", "mysql"], indirect=True
 )
-SQLITE = pytest.mark.parametrize("lease_store_target", ["sqlite"], indirect=True)
 
 ONCE_APP = "tests.acceptance.once_app"
 
@@ -110,7 +109,7 @@ def test_every_effect_is_applied_once_under_duplicates_and_a_kill_at_every_step(
         assert value == {"job_id": job, "generation": record.generation}
 
 
-@SQLITE
+@EVERY_DATABASE
 def test_the_checker_catches_writes_committed_apart_from_the_completion(
     cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
 ) -> None:
@@ -126,7 +125,7 @@ def test_the_checker_catches_writes_committed_apart_from_the_completion(
     assert not_once(effects_per_job(lease_store_target, effects, jobs)) == dict.fromkeys(jobs, 2)
 
 
-@SQLITE
+@EVERY_DATABASE
 def test_a_worker_frozen_past_its_lease_applies_nothing(
     cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
 ) -> None:
