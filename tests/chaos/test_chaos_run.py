@@ -6,7 +6,9 @@ jobs writing through a fenced SQL row and a fenced Redis stream, and a
 seeded nemesis that pauses pool processes and whole workers past their
 lease, kills them, sends duplicates, partitions the workers from the store
 and kills the store; the checker must find no violation. The green profile
-does the same, shorter, on two gevent workers whose runs hold the hub.
+does the same, shorter, on two gevent workers whose runs hold the hub. The
+once profile's jobs end with an exactly-once row in the store's database,
+on PostgreSQL and on MariaDB (about 40 s each).
 
 The broken variants each need a run of their own (about 30 s each), so
 they run when ``LEASES_CHAOS_VARIANTS=1`` is set; the checker's detection
