@@ -19,7 +19,7 @@ from celery_leases.stores.base import LeaseRecord, LeaseState
 __all__ = ["ExactTextField", "Fence", "Lease"]
 
 
-class ExactTextField(models.CharField):  # type: ignore[type-arg]
+class ExactTextField(models.CharField):
     """A job id, owner, send id or resource: text compared byte for byte.
 
     On MySQL and MariaDB the tables keep these columns as ``VARBINARY`` of

@@ -77,6 +77,7 @@ if os.environ.get("SHOP_POSTGRES"):
         "HOST": url.hostname or "",
         "PORT": str(url.port or ""),
     }
+# --8<-- [start:mysql]
 if os.environ.get("SHOP_MYSQL"):
     # Django's MySQL backend imports MySQLdb (mysqlclient, a C extension);
     # PyMySQL stands in for it. PyMySQL answers Django's mysqlclient version
@@ -97,6 +98,7 @@ if os.environ.get("SHOP_MYSQL"):
         "OPTIONS": {"charset": "utf8mb4"},
         "TEST": {"CHARSET": "utf8mb4"},
     }
+# --8<-- [end:mysql]
 if os.environ.get("SHOP_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["SHOP_DB_NAME"]
 
