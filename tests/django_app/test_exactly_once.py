@@ -24,6 +24,7 @@ from orders.tasks import ship
 
 from celery_leases import LeaseConfigurationError, LeaseLost
 from celery_leases.contrib.django.exactly_once import exactly_once
+from celery_leases.contrib.django.store import database_url
 from celery_leases.lease import Lease
 from celery_leases.sending import keeping_send_id
 from celery_leases.settings import LeaseTiming
@@ -223,6 +224,23 @@ def test_a_store_on_another_database_is_refused(tmp_path: Path) -> None:
         assert other.get(task.lease.job_id).state is LeaseState.HELD  # type: ignore[union-attr]
     finally:
         other.close()
+
+
+def test_a_store_url_of_the_same_database_written_otherwise_is_taken() -> None:
+    url = database_url()
+    if connection.vendor == "mysql":
+        # MariaDB's own dialect name, and the default port left out
+        url = url.set(drivername="mariadb+pymysql")
+        if url.port == 3306:
+            url = url.set(port=None)
+    store = open_store(url.render_as_string(hide_password=False), create_table=False)
+    try:
+        task = held_by_this_process(store)
+        ship_here(task, Order.objects.create())
+        assert shipments(task.lease.job_id) == [1]
+        assert store.get(task.lease.job_id).state is LeaseState.COMPLETED  # type: ignore[union-attr]
+    finally:
+        store.close()
 
 
 def test_an_error_in_the_block_rolls_its_rows_back_and_passes_through(

@@ -96,10 +96,8 @@ def test_a_django_url_opens_the_database_of_its_alias(django_store: LeaseStore) 
         assert str(url).startswith("sqlite:////")
         assert url.database == str(connection.settings_dict["NAME"])
     else:
-        assert (url.drivername, url.database) == (
-            "postgresql+psycopg",
-            connection.settings_dict["NAME"],
-        )
+        driver = {"postgresql": "postgresql+psycopg", "mysql": "mysql+pymysql"}[connection.vendor]
+        assert (url.drivername, url.database) == (driver, connection.settings_dict["NAME"])
     acquired = django_store.claim("job-2", "owner-2", 30)
     assert Lease.objects.get(pk="job-2").generation == acquired.generation  # type: ignore[union-attr]
 

@@ -1,4 +1,4 @@
-"""The Django tests (tests/django_app and the shop's), on SQLite and on PostgreSQL.
+"""The Django tests (tests/django_app and the shop's), on SQLite, PostgreSQL and MariaDB.
 
 Django's settings are one per process, and pytest-django is off in this
 suite (``-p no:django``), so each database gets a pytest process of its own
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import PostgresServer
+from tests.servers import MariadbServer, PostgresServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHOP = REPO_ROOT / "example_project" / "django_shop"
@@ -24,7 +24,7 @@ DJANGO_APP = REPO_ROOT / "tests" / "django_app"
 #: the shop's own tests (with their fixtures in tests/conftest.py), then the
 #: tests of celery_leases.contrib.django
 TESTS = [SHOP / "tests" / "test_orders.py", DJANGO_APP]
-#: on PostgreSQL, the tests whose outcome depends on the database: the
+#: on PostgreSQL and MariaDB, the tests whose outcome depends on the database: the
 #: tables, the fenced statements and the real workers (settings, checks and
 #: the pytest plugin do not change with it)
 POSTGRES_TESTS = [
@@ -87,3 +87,17 @@ def test_the_django_tests_pass_on_postgresql(
 ) -> None:
     url = postgres_server.url.replace("postgresql+psycopg://", "postgresql://")
     run_django_tests(tmp_path, POSTGRES_TESTS, SHOP_POSTGRES=url)
+
+
+@pytest.mark.mysql
+def test_the_django_tests_pass_on_mariadb(tmp_path: Path, mariadb_server: MariadbServer) -> None:
+    # Django's test runner makes test_<name> and test_schema a fresh
+    # database: a user of their own may create databases (the store's user
+    # has its one database only)
+    user, password = "shop", "shop-test-pw"
+    mariadb_server.sql(
+        f"CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON *.* TO '{user}'@'127.0.0.1';"
+    )
+    url = f"mysql://{user}:{password}@127.0.0.1:{mariadb_server.port}/shop"
+    run_django_tests(tmp_path, POSTGRES_TESTS, SHOP_MYSQL=url)

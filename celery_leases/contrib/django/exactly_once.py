@@ -36,6 +36,7 @@ from sqlalchemy.pool import NullPool
 from celery_leases.contrib.django.store import database_url
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, run_once
+from celery_leases.stores.sql_table import MYSQL_NAMES
 
 __all__ = ["exactly_once"]
 
@@ -168,7 +169,7 @@ def _engine(using: str) -> Engine:
                 return _Lent(connections[using].connection)
 
             options: dict[str, Any] = (
-                {"use_native_hstore": False} if url.drivername != "sqlite" else {}
+                {"use_native_hstore": False} if url.get_backend_name() == "postgresql" else {}
             )
             engine = sa.create_engine(
                 url.set(password=None),
@@ -203,4 +204,8 @@ def _identity(url: sa.URL) -> tuple[str, ...]:
     backend = url.get_backend_name()
     if backend == "sqlite":
         return (backend, os.path.realpath(url.database or ""))
-    return (backend, url.host or "localhost", str(url.port or 5432), url.database or "")
+    if backend in MYSQL_NAMES:
+        backend, port = "mysql", 3306  # mariadb+pymysql:// and mysql+pymysql:// alike
+    else:
+        port = 5432
+    return (backend, url.host or "localhost", str(url.port or port), url.database or "")

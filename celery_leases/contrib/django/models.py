@@ -3,25 +3,42 @@
 Both map onto the tables the SQL store and :mod:`celery_leases.fencing.sql`
 use (``docs/sql.md``): the migration creates them with the very DDL those
 modules emit, so a ``django://`` store, a ``sqlite:///`` or
-``postgresql://`` store on the same database and the ORM read the same rows.
+``postgresql://`` or ``mysql+pymysql://`` store on the same database and the ORM read the same rows.
 Times of the lease table are integer milliseconds on the database's clock.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from django.db import models
 from django.db.models.functions import Now
 
 from celery_leases.stores.base import LeaseRecord, LeaseState
 
-__all__ = ["Fence", "Lease"]
+__all__ = ["ExactTextField", "Fence", "Lease"]
+
+
+class ExactTextField(models.CharField):
+    """A job id, owner, send id or resource: text compared byte for byte.
+
+    On MySQL and MariaDB the tables keep these columns as ``VARBINARY`` of
+    their UTF-8 (their text collations ignore case or trailing spaces), and
+    the driver reads them as bytes: this field reads them back as text.
+    Elsewhere it is a ``CharField``.
+    """
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value).decode("utf-8")
+        return value
 
 
 class Lease(models.Model):
     """One job's lease record (table ``celery_leases``); written only by the store."""
 
-    job_id = models.CharField(max_length=255, primary_key=True)
-    owner = models.CharField(max_length=255, db_default="")
+    job_id = ExactTextField(max_length=255, primary_key=True)
+    owner = ExactTextField(max_length=255, db_default="")
     generation = models.BigIntegerField()
     lease_until = models.BigIntegerField()
     state = models.CharField(
@@ -33,7 +50,7 @@ class Lease(models.Model):
     completed_at = models.BigIntegerField(null=True)
     renew_count = models.IntegerField(db_default=0)
     takeovers = models.IntegerField(db_default=0)
-    send_id = models.CharField(max_length=255, db_default="")
+    send_id = ExactTextField(max_length=255, db_default="")
     outcome = models.BinaryField(null=True)
     released_at = models.BigIntegerField(null=True)
     released_by = models.CharField(max_length=255, db_default="")
@@ -73,8 +90,8 @@ class Lease(models.Model):
 class Fence(models.Model):
     """The newest generation accepted per fenced resource (table ``celery_leases_fences``)."""
 
-    resource = models.CharField(max_length=255, primary_key=True)
-    job_id = models.CharField(max_length=255)
+    resource = ExactTextField(max_length=255, primary_key=True)
+    job_id = ExactTextField(max_length=255)
     generation = models.BigIntegerField()
     updated_at = models.DateTimeField(db_default=Now())
 

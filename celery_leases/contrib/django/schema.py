@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
@@ -18,13 +18,14 @@ from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
 
 __all__ = ["create_statements", "drop_statements"]
 
-_DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect}
+#: Django's connection vendors (MariaDB's too is "mysql") and their dialects
+_DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect, "mysql": mysql.dialect}
 
 
 def _dialect(vendor: str) -> Any:
     if vendor not in _DIALECTS:
         raise LeaseConfigurationError(
-            f"the celery_leases tables need PostgreSQL or SQLite, not {vendor!r}: "
+            f"the celery_leases tables need PostgreSQL, SQLite or MySQL/MariaDB, not {vendor!r}: "
             "point the migration at one with a database router, or leave "
             "celery_leases.contrib.django out of INSTALLED_APPS"
         )
@@ -40,7 +41,7 @@ def create_statements(vendor: str) -> list[str]:
     """``CREATE TABLE`` and ``CREATE INDEX`` text for a Django connection's vendor.
 
     Raises:
-        LeaseConfigurationError: the vendor is neither PostgreSQL nor SQLite.
+        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
     """
     dialect = _dialect(vendor)
     statements = []

@@ -28,6 +28,7 @@ SCHEME = "django"
 _DRIVERS = {
     "django.db.backends.sqlite3": "sqlite",
     "django.db.backends.postgresql": "postgresql+psycopg",
+    "django.db.backends.mysql": "mysql+pymysql",
 }
 
 
@@ -51,14 +52,15 @@ def database_url(alias: str = "default") -> sa.URL:
 
     Raises:
         LeaseConfigurationError: the alias is unknown, or its engine is
-            neither SQLite nor PostgreSQL, or it is an in-memory SQLite database.
+            not SQLite, PostgreSQL or MySQL/MariaDB, or it is an in-memory SQLite
+            database.
     """
     entry = connections[alias].settings_dict
     driver = _DRIVERS.get(str(entry.get("ENGINE", "")))
     if driver is None:
         raise LeaseConfigurationError(
-            f"the lease store on DATABASES[{alias!r}] needs the sqlite3 or postgresql "
-            f"engine, not {entry.get('ENGINE')!r}"
+            f"the lease store on DATABASES[{alias!r}] needs the sqlite3, postgresql or "
+            f"mysql engine, not {entry.get('ENGINE')!r}"
         )
     name = str(entry.get("NAME") or "")
     if driver == "sqlite":
@@ -71,7 +73,8 @@ def database_url(alias: str = "default") -> sa.URL:
         # an absolute path makes the four slashes of sqlite:////path
         return sa.URL.create("sqlite", database=name)
     options = dict(entry.get("OPTIONS") or {})
-    query = {k: str(v) for k, v in options.items() if k in ("sslmode", "application_name")}
+    passed = ("sslmode", "application_name") if driver != "mysql+pymysql" else ("charset",)
+    query = {k: str(v) for k, v in options.items() if k in passed}
     return sa.URL.create(
         driver,
         username=entry.get("USER") or None,

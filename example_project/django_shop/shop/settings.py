@@ -1,7 +1,9 @@
 """Settings of the shop: SQLite in db.sqlite3 and kombu's filesystem broker, no server.
 
 ``SHOP_DATA`` moves the data files (default: this folder); ``SHOP_POSTGRES``
-(a ``postgresql://user@host:port/name`` URL) puts the database on PostgreSQL;
+(a ``postgresql://user@host:port/name`` URL) puts the database on PostgreSQL,
+``SHOP_MYSQL`` (a ``mysql://user:password@host:port/name`` URL) on MySQL or
+MariaDB through PyMySQL;
 ``SHOP_DB_NAME`` names another database on it (the tests start workers on
 the test database with it).
 """
@@ -75,6 +77,28 @@ if os.environ.get("SHOP_POSTGRES"):
         "HOST": url.hostname or "",
         "PORT": str(url.port or ""),
     }
+# --8<-- [start:mysql]
+if os.environ.get("SHOP_MYSQL"):
+    # Django's MySQL backend imports MySQLdb (mysqlclient, a C extension);
+    # PyMySQL stands in for it. PyMySQL answers Django's mysqlclient version
+    # check with a version of its own for it (2.2.8 in PyMySQL 1.2), above
+    # the 1.4.3 Django 5.2 needs, so no pymysql.version_info is set here.
+    import pymysql
+
+    pymysql.install_as_MySQLdb()
+    url = urlsplit(os.environ["SHOP_MYSQL"])
+    DATABASES["default"] = {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": url.path.lstrip("/"),
+        "USER": url.username or "",
+        "PASSWORD": url.password or "",
+        "HOST": url.hostname or "",
+        "PORT": str(url.port or ""),
+        # the lease table is utf8mb4: so are the test database and its tables
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {"CHARSET": "utf8mb4"},
+    }
+# --8<-- [end:mysql]
 if os.environ.get("SHOP_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["SHOP_DB_NAME"]
 

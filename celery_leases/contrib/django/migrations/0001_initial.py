@@ -7,6 +7,7 @@ from typing import Any
 import django.db.models.functions.datetime
 from django.db import migrations, models
 
+import celery_leases.contrib.django.models
 from celery_leases.contrib.django.schema import create_statements, drop_statements
 
 
@@ -33,9 +34,16 @@ class Migration(migrations.Migration):
                     fields=[
                         (
                             "job_id",
-                            models.CharField(max_length=255, primary_key=True, serialize=False),
+                            celery_leases.contrib.django.models.ExactTextField(
+                                max_length=255, primary_key=True, serialize=False
+                            ),
                         ),
-                        ("owner", models.CharField(db_default="", max_length=255)),
+                        (
+                            "owner",
+                            celery_leases.contrib.django.models.ExactTextField(
+                                db_default="", max_length=255
+                            ),
+                        ),
                         ("generation", models.BigIntegerField()),
                         ("lease_until", models.BigIntegerField()),
                         (
@@ -55,7 +63,12 @@ class Migration(migrations.Migration):
                         ("completed_at", models.BigIntegerField(null=True)),
                         ("renew_count", models.IntegerField(db_default=0)),
                         ("takeovers", models.IntegerField(db_default=0)),
-                        ("send_id", models.CharField(db_default="", max_length=255)),
+                        (
+                            "send_id",
+                            celery_leases.contrib.django.models.ExactTextField(
+                                db_default="", max_length=255
+                            ),
+                        ),
                         ("outcome", models.BinaryField(null=True)),
                         ("released_at", models.BigIntegerField(null=True)),
                         ("released_by", models.CharField(db_default="", max_length=255)),
@@ -68,9 +81,14 @@ class Migration(migrations.Migration):
                     fields=[
                         (
                             "resource",
-                            models.CharField(max_length=255, primary_key=True, serialize=False),
+                            celery_leases.contrib.django.models.ExactTextField(
+                                max_length=255, primary_key=True, serialize=False
+                            ),
                         ),
-                        ("job_id", models.CharField(max_length=255)),
+                        (
+                            "job_id",
+                            celery_leases.contrib.django.models.ExactTextField(max_length=255),
+                        ),
                         ("generation", models.BigIntegerField()),
                         (
                             "updated_at",
