@@ -90,3 +90,16 @@ def test_check_with_a_database_reports_a_visibility_timeout_below_the_ttl() -> N
         output = check("--database", "default")
     assert "celery_leases.W001" in output
     assert "visibility_timeout (1 s) is shorter than the lease ttl" in output
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_store_is_checked_only_when_a_database_is_named() -> None:
+    # a store nobody listens on: only the store check can find that out
+    with django_app(CELERY_LEASES_STORE="redis://127.0.0.1:1/0", CELERY_LEASES_TLL=5):
+        plain = check()
+        assert "celery-leases store" not in plain
+        assert "did you mean 'CELERY_LEASES_TTL'?" in plain
+        with pytest.raises(SystemCheckError, match="celery-leases store") as found:
+            check("--database", "default")
+    # the settings are reported once, by the settings check
+    assert str(found.value).count("did you mean 'CELERY_LEASES_TTL'?") == 1

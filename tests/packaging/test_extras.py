@@ -10,7 +10,6 @@ PostgreSQL store, ``[mysql]`` on a MariaDB store; and so on. The pip cache makes
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,55 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.packaging.steps import ROOT
+from tests.packaging.steps import clean_env as _env
+from tests.packaging.steps import run_step as _run
 from tests.servers import MariadbServer, PostgresServer, RedisServer
 
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
-
 #: extras for the people who work on celery-leases, not for its users
 DEVELOPER_EXTRAS = {"dev", "bench", "docs"}
-
-#: seconds any one step (make a venv, install, run a probe) may take
-STEP_TIMEOUT = 300.0
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """This environment without anything that points back at the checkout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    return {**env, **extra}
-
-
-def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        args, cwd=cwd, env=env or _env(), capture_output=True, text=True,
-        timeout=STEP_TIMEOUT, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
-@pytest.fixture(scope="session")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The package built from this checkout, as a user installs it."""
-    dist = tmp_path_factory.mktemp("dist")
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--wheel-dir",
-            str(dist),
-            str(ROOT),
-        ],
-        cwd=dist,
-    )
-    (built,) = dist.glob("celery_leases-*.whl")
-    return built
 
 
 class Venv:

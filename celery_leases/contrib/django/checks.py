@@ -23,7 +23,7 @@ from celery_leases.errors import LeaseConfigurationError
 from celery_leases.settings import LeaseSettings
 from celery_leases.spelling import misspelled_settings
 
-__all__ = ["check_leases", "register"]
+__all__ = ["check_leases", "check_settings", "register"]
 
 _APP_LABEL = "celery_leases"
 
@@ -57,26 +57,44 @@ def _message(check: Check, unmigrated: list[str]) -> checks.CheckMessage:
     return checks.Warning(text, id="celery_leases.W001")
 
 
+def check_settings(app_configs: Any = None, **_: Any) -> list[checks.CheckMessage]:
+    """The ``CELERY_LEASES_*`` settings, as Django check messages (no database needed)."""
+    app = _celery_app()
+    found: list[checks.CheckMessage] = []
+    try:
+        LeaseSettings.from_conf(app.conf)
+    except LeaseConfigurationError as exc:
+        found.append(checks.Error(f"celery-leases settings: {exc}", id="celery_leases.E001"))
+    found.extend(
+        checks.Warning(f"celery-leases settings: {message}", id="celery_leases.W001")
+        for message in misspelled_settings(app.conf)
+    )
+    return found
+
+
 def check_leases(
     app_configs: Any = None, databases: Sequence[str] | None = None, **_: Any
 ) -> list[checks.CheckMessage]:
-    """The lease checks, as Django check messages (errors, then warnings)."""
-    app = _celery_app()
-    if databases is None:
-        found: list[checks.CheckMessage] = []
-        try:
-            LeaseSettings.from_conf(app.conf)
-        except LeaseConfigurationError as exc:
-            found.append(checks.Error(f"celery-leases settings: {exc}", id="celery_leases.E001"))
-        found.extend(
-            checks.Warning(f"celery-leases settings: {message}", id="celery_leases.W001")
-            for message in misspelled_settings(app.conf)
-        )
-        return found
+    """The store, broker and task checks, as Django check messages, when a
+    database is named; the settings are :func:`check_settings`'s."""
+    if not databases:
+        return []
     unmigrated = _unmigrated(databases)
-    return [_message(check, unmigrated) for check in run_checks(app) if check.status != "ok"]
+    return [
+        _message(check, unmigrated)
+        for check in run_checks(_celery_app())
+        if check.status != "ok" and check.name != "settings"
+    ]
 
 
 def register() -> None:
-    """Add :func:`check_leases` to Django's checks; called when Django starts the app."""
-    checks.register(check_leases, "celery_leases")
+    """Add the lease checks to Django's; called when Django starts the app.
+
+    :func:`check_leases` opens the store, so it is tagged ``database``: it
+    runs when a database is named (``check --database``, ``migrate``). Django
+    6 hands every check all the databases unless told otherwise, and runs a
+    ``database`` check only when one is named; Celery's Django fixup runs the
+    checks at worker start without one, from inside :func:`run_checks`.
+    """
+    checks.register(check_settings, "celery_leases")
+    checks.register(check_leases, "celery_leases", checks.Tags.database)
