@@ -31,6 +31,7 @@ import functools
 import math
 import os
 import sqlite3
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -100,6 +101,17 @@ def dialect_for(engine: Engine, timeout: float | None, *, server_limits: bool = 
     Raises:
         LeaseConfigurationError: the database or driver is not supported.
     """
+    # threads that open stores on one engine at once must not add its hooks
+    # twice, nor add them while another thread's connect runs through them
+    with _PREPARING:
+        return _prepare(engine, timeout, server_limits)
+
+
+#: held while an engine gets its hooks (see dialect_for)
+_PREPARING = threading.Lock()
+
+
+def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> _Dialect:
     _ENGINES.add(engine)
     if engine.dialect.name == "postgresql":
         if timeout is not None:
