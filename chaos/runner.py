@@ -95,14 +95,17 @@ PROFILES = {
         once=True,
     ),
     # the ci profile's faults, shorter, on workers without pool processes:
-    # for ``pool="gevent"`` (or "eventlet"), every run holds the hub (chaos.app)
+    # for ``pool="gevent"`` (or "eventlet"), every run holds the hub (chaos.app).
+    # No worker kill: a green worker consumes without kombu's event loop, so
+    # the Redis transport puts a dead worker's unacknowledged messages back
+    # only when a worker starts after their visibility timeout (a kill just
+    # after a delivery leaves the job waiting for the next worker start)
     "green": Profile(
         jobs=14,
         seconds=22,
         interval=1.6,
         budget={
             "pause-worker": 2,
-            "kill-worker": 1,
             "duplicate": 3,
             "partition": 2,
             "store-restart": 1,
