@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_leases import signals
 from celery_leases.task import forget_runtime
 from tests.conftest import serve
-from tests.servers import RedisServer, SentinelGroup
+from tests.servers import MariadbServer, PostgresServer, RedisServer, SentinelGroup
 
 WAIT = 30.0  # generous: the machine is shared
 
@@ -116,3 +117,16 @@ def worker(
         **extra,
     ) as running:
         yield running
+
+
+@pytest.fixture(params=["postgres", "sqlite", pytest.param("mysql", marks=pytest.mark.mysql)])
+def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of the session's PostgreSQL or MariaDB database, or of a fresh
+    SQLite file (``leases.db`` in the test's folder)."""
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        return server.url
+    if request.param == "mysql":
+        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
+        return mariadb.url
+    return f"sqlite:///{tmp_path / 'leases.db'}"

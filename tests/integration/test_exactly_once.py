@@ -22,21 +22,8 @@ from celery_leases.exactly_once import exactly_once
 from celery_leases.outcome import decode
 from celery_leases.task import store_for
 from tests.integration.conftest import WAIT, Recorder, worker
-from tests.servers import MariadbServer, PostgresServer
 
 pytestmark = pytest.mark.redis
-
-
-@pytest.fixture(params=["postgres", "sqlite", "mysql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of the database that holds both the lease table and the task's."""
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        return server.url
-    if request.param == "mysql":
-        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
-        return mariadb.url
-    return f"sqlite:///{tmp_path / 'app.db'}"
 
 
 def engine_for(url: str, **options: Any) -> sa.Engine:
@@ -47,8 +34,8 @@ def engine_for(url: str, **options: Any) -> sa.Engine:
 
 
 @pytest.fixture
-def engine(database: str) -> Iterator[sa.Engine]:
-    engine = engine_for(database)
+def engine(sql_url: str) -> Iterator[sa.Engine]:
+    engine = engine_for(sql_url)
     yield engine
     engine.dispose()
 
@@ -67,8 +54,8 @@ def effects(engine: sa.Engine, unique: str) -> sa.Table:
 
 
 @pytest.fixture
-def app(make_app: Callable[..., Celery], database: str, unique: str) -> Celery:
-    return make_app(database, leases_store_options={"table_name": f"leases_{unique}"}, leases_ttl=5)
+def app(make_app: Callable[..., Celery], sql_url: str, unique: str) -> Celery:
+    return make_app(sql_url, leases_store_options={"table_name": f"leases_{unique}"}, leases_ttl=5)
 
 
 def rows_of(engine: sa.Engine, table: sa.Table, job_id: str) -> int:
@@ -252,10 +239,8 @@ def test_a_connection_inside_a_transaction_is_refused(
     assert "outside any transaction" in error
 
 
-def test_an_autocommit_connection_is_refused(
-    app: Celery, database: str, recorder: Recorder
-) -> None:
-    autocommit = engine_for(database, isolation_level="AUTOCOMMIT")
+def test_an_autocommit_connection_is_refused(app: Celery, sql_url: str, recorder: Recorder) -> None:
+    autocommit = engine_for(sql_url, isolation_level="AUTOCOMMIT")
     try:
         error = errors_of(app, recorder, autocommit.connect, lambda conn: conn)
     finally:
@@ -355,12 +340,12 @@ def test_a_constraint_violation_is_the_task_s_own_failure(
 
 
 def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
-    app: Celery, database: str, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+    app: Celery, sql_url: str, engine: sa.Engine, effects: sa.Table, recorder: Recorder
 ) -> None:
     """The server ends the session just before the COMMIT: nothing was
     committed, the record still names this run as holder, so the run is
     fenced out and the job runs again; its row is written once."""
-    if not database.startswith("postgresql"):
+    if not sql_url.startswith("postgresql"):
         pytest.skip("ends the server's session with pg_terminate_backend")
 
     def end_the_session(conn: sa.Connection) -> None:

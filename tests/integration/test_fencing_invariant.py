@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -397,22 +396,11 @@ RACE_TTL = 0.8
 RACE_HOLD = 0.3
 
 
-@pytest.fixture(params=["postgres", "sqlite", pytest.param("mysql", marks=pytest.mark.mysql)])
-def race_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        return server.url
-    if request.param == "mysql":
-        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
-        return mariadb.url
-    return f"sqlite:///{tmp_path / 'race.db'}"
-
-
 @pytest.fixture
-def race_stores(race_url: str, unique: str) -> Iterator[tuple[SqlStore, SqlStore, sa.Table]]:
+def race_stores(sql_url: str, unique: str) -> Iterator[tuple[SqlStore, SqlStore, sa.Table]]:
     """Two handles on one lease store (workers A and B) and a results table."""
-    store_a = SqlStore.from_url(race_url, table_name=f"leases_{unique}")
-    store_b = SqlStore.from_url(race_url, table_name=f"leases_{unique}", create_table=False)
+    store_a = SqlStore.from_url(sql_url, table_name=f"leases_{unique}")
+    store_b = SqlStore.from_url(sql_url, table_name=f"leases_{unique}", create_table=False)
     metadata = sa.MetaData()
     results = sa.Table(
         f"results_{unique}",

@@ -31,7 +31,6 @@ from celery_leases.fencing.sql import (
 )
 from celery_leases.stores.base import Acquired
 from celery_leases.stores.sql import SqlStore
-from tests.servers import MariadbServer, PostgresServer
 
 A = Token("job-1", 7, owner="worker-a")
 B = Token("job-1", 8, owner="worker-b")
@@ -39,20 +38,9 @@ B = Token("job-1", 8, owner="worker-b")
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
-@pytest.fixture(params=["postgres", "sqlite", pytest.param("mysql", marks=pytest.mark.mysql)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        return server.url
-    if request.param == "mysql":
-        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
-        return mariadb.url
-    return f"sqlite:///{tmp_path / 'target.db'}"
-
-
 @pytest.fixture
-def engine(database_url: str) -> Iterator[sa.Engine]:
-    engine = sa.create_engine(database_url)
+def engine(sql_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(sql_url)
     yield engine
     engine.dispose()
 
@@ -351,8 +339,8 @@ def test_docs_sql_example_refuses_the_stale_run(engine: sa.Engine) -> None:
 
 
 @pytest.fixture
-def lease_store(database_url: str, unique: str) -> Iterator[SqlStore]:
-    store = SqlStore.from_url(database_url, table_name=f"leases_{unique}")
+def lease_store(sql_url: str, unique: str) -> Iterator[SqlStore]:
+    store = SqlStore.from_url(sql_url, table_name=f"leases_{unique}")
     yield store
     store.close()
 

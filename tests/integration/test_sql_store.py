@@ -73,18 +73,6 @@ EXPECTED_COLUMNS = {
 # --- fixtures -----------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgres", "sqlite", "mysql"])
-def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of a PostgreSQL or MariaDB database or of a fresh SQLite file."""
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        return server.url
-    if request.param == "mysql":
-        mariadb: MariadbServer = request.getfixturevalue("mariadb_server")
-        return mariadb.url
-    return f"sqlite:///{tmp_path / 'leases.db'}"
-
-
 @pytest.fixture
 def table_name(unique: str) -> str:
     return f"leases_{unique}"
