@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.filesystem import TRANSPORT as WHOLE_FILES_TRANSPORT
+from celery_leases.filesystem import Transport as WholeFilesTransport
 
 __all__ = [
     "AMQP_TRANSPORTS",
@@ -41,6 +43,7 @@ __all__ = [
     "broker_warnings",
     "consumer_timeout",
     "countdown_cap",
+    "filesystem_warnings",
     "keep_invisible",
     "visibility_timeout",
     "visibility_transport",
@@ -234,3 +237,27 @@ def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
                 "broker_transport_options['visibility_timeout']"
             )
     return []
+
+
+# --- the filesystem broker: whole message files ----------------------------------
+
+
+def filesystem_warnings(app: Any) -> list[str]:
+    """A warning when ``app``'s ``filesystem://`` broker uses kombu's own transport.
+
+    That transport can hand a consumer a message file still being written,
+    and the message is lost (:mod:`celery_leases.filesystem`).
+    """
+    urls = (app.conf.broker_read_url, app.conf.broker_write_url, app.conf.broker_url)
+    if not any(str(url or "").split("://", 1)[0].lower() == "filesystem" for url in urls):
+        return []
+    transport = app.conf.broker_transport
+    if transport == WHOLE_FILES_TRANSPORT or (
+        isinstance(transport, type) and issubclass(transport, WholeFilesTransport)
+    ):
+        return []
+    return [
+        "the broker is filesystem:// on kombu's own transport, which loses a message when a "
+        "worker takes its file while it is still being written (and leased tasks publish "
+        f"deferred copies often): set broker_transport = {WHOLE_FILES_TRANSPORT!r}"
+    ]

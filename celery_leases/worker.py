@@ -35,6 +35,7 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from celery_leases.broker_checks import (
     broker_warnings,
+    filesystem_warnings,
     keep_invisible,
     visibility_timeout,
     visibility_warnings,
@@ -278,6 +279,7 @@ def check_app(
     leased = [task for task in list(app.tasks.values()) if isinstance(task, LeasedTask)]
     warnings.extend(broker_warnings(app, leased))
     warnings.extend(visibility_warnings(app, leased))
+    warnings.extend(filesystem_warnings(app))
     return warnings
 
 

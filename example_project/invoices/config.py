@@ -16,8 +16,11 @@ its file into the processed folder, and a rename within one file system is
 atomic, so two worker processes never both receive one message (the
 processed folder is kept inside the data folder for that reason: across
 file systems the move becomes a copy and a delete, which two processes can
-both do). The SQLAlchemy transport reads a message and marks it invisible
-in two statements; SQLite has no ``SELECT ... FOR UPDATE``, so two
+both do). kombu's own filesystem transport writes a file in place, so a
+worker polling at that moment can take it half written and lose it; the
+example uses :mod:`celery_leases.filesystem`, which writes each file under a
+hidden name and renames it in once whole. The SQLAlchemy transport reads a
+message and marks it invisible in two statements; SQLite has no ``SELECT ... FOR UPDATE``, so two
 processes can read the same message, and its polling writes make the other
 process meet "database is locked".
 
@@ -74,6 +77,11 @@ class Config:
     @property
     def broker_url(self) -> str:
         return self.broker or "filesystem://"
+
+    @property
+    def broker_transport(self) -> str | None:
+        """The embedded broker's transport: kombu's, writing whole message files."""
+        return "celery_leases.filesystem:Transport" if self.embedded else None
 
     @property
     def backend_url(self) -> str:

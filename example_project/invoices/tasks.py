@@ -39,6 +39,7 @@ def make_app(config: Config) -> Celery:
     """The Celery app of ``config``, with ``charge_invoice`` registered."""
     app = Celery("invoices", broker=config.broker_url, backend=config.backend_url)
     app.conf.update(
+        broker_transport=config.broker_transport,
         broker_transport_options=config.broker_transport_options(),
         broker_connection_retry_on_startup=True,
         task_acks_late=True,  # LeasedTask needs it; a lost worker's message comes back

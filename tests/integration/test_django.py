@@ -32,11 +32,7 @@ def test_the_django_tests_pass_on_postgresql(
     tmp_path: Path, postgres_server: PostgresServer
 ) -> None:
     url = postgres_server.url.replace("postgresql+psycopg://", "postgresql://")
-    # the exactly-once kills run on SQLite and MariaDB: on PostgreSQL the
-    # kill before the commit has timed out once in a loaded full run (the
-    # redelivered job did not finish within 45 s), cause not yet found
-    tests = [t for t in POSTGRES_TESTS if t.name != "test_exactly_once.py"]
-    run_django_tests(tmp_path, tests, SHOP_POSTGRES=url)
+    run_django_tests(tmp_path, POSTGRES_TESTS, SHOP_POSTGRES=url)
 
 
 @pytest.mark.mysql

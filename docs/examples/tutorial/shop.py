@@ -23,6 +23,9 @@ for folder in ("messages", "processed", "control"):
     (BROKER / folder).mkdir(parents=True, exist_ok=True)
 
 app = Celery("shop", broker="filesystem://", backend=f"db+sqlite:///{DATA / 'results.db'}")
+# kombu's filesystem transport, writing each message file whole before a
+# worker can take it (kombu's own can hand out a file still being written)
+app.conf.broker_transport = "celery_leases.filesystem:Transport"
 app.conf.broker_transport_options = {
     "data_folder_in": str(BROKER / "messages"),
     "data_folder_out": str(BROKER / "messages"),

@@ -105,6 +105,9 @@ if os.environ.get("SHOP_DB_NAME"):
 # --8<-- [start:celery]
 BROKER_FOLDER = DATA / "broker"
 CELERY_BROKER_URL = "filesystem://"
+# kombu's filesystem transport, writing each message file whole before a
+# worker can take it (kombu's own can hand out a file still being written)
+CELERY_BROKER_TRANSPORT = "celery_leases.filesystem:Transport"
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "data_folder_in": str(BROKER_FOLDER / "messages"),
     "data_folder_out": str(BROKER_FOLDER / "messages"),

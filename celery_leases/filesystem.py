@@ -1,0 +1,140 @@
+"""kombu's ``filesystem://`` broker, handing out whole messages only.
+
+kombu's filesystem transport writes a message file in place (open, then
+write), and a consumer takes a file by renaming it away. A consumer that
+polls between a publisher's open and its write takes an empty or cut file,
+fails to decode it (``JSONDecodeError: Expecting value``, kombu issue 1551)
+and the message is gone. A leased task publishes often (a deferred copy, a
+copy sent again after a store outage), so a worker that polls every tenth of
+a second meets this within a few hundred runs.
+
+This transport keeps kombu's folders, file names and options, and closes the
+race from both sides:
+
+* it writes each message under a hidden name and renames it into the folder
+  once whole, so a consumer never sees a file being written;
+* a file it takes that is not yet whole (written in place by kombu's own
+  transport in another process) is read again, under the writer's lock,
+  until it decodes; one that never does is left in the processed folder
+  under a ``.bad`` name and logged, never crashing the worker's loop.
+
+Use it by naming it beside the broker URL::
+
+    app.conf.broker_url = "filesystem://"
+    app.conf.broker_transport = "celery_leases.filesystem:Transport"
+
+Every process that publishes or consumes (workers, web processes, beat)
+should use it; a stock publisher's messages are still read whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from queue import Empty
+from typing import IO, Any, cast
+
+from kombu.exceptions import ChannelError
+from kombu.transport import filesystem
+from kombu.utils import json as kombu_json
+
+__all__ = ["READ_PATIENCE", "TRANSPORT", "Channel", "Transport"]
+
+logger = logging.getLogger(__name__)
+
+#: the ``broker_transport`` setting that names :class:`Transport`
+TRANSPORT = "celery_leases.filesystem:Transport"
+
+#: seconds a consumer reads a taken file again while it is not whole
+READ_PATIENCE = 2.0
+
+_READ_PAUSE = 0.01
+
+# kombu's own helpers, typed: its file locks (fcntl or win32) and its JSON
+_lock = cast("Callable[[IO[bytes], int], None]", filesystem.lock)
+_unlock = cast("Callable[[IO[bytes]], None]", filesystem.unlock)
+_dumps = cast("Callable[[Any], str]", kombu_json.dumps)
+_loads = cast("Callable[[str], Any]", kombu_json.loads)
+
+
+def _message_name(queue: str) -> str:
+    """kombu's name of a new message file: publishing time (ms), a uuid, the queue."""
+    return f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+
+
+def _read_whole(path: str) -> Any:
+    """The decoded message in ``path``, read under a shared lock until whole.
+
+    Raises:
+        ValueError: the file did not decode within :data:`READ_PATIENCE`.
+        OSError: the file could not be opened or read.
+    """
+    deadline = time.monotonic() + READ_PATIENCE
+    while True:
+        with open(path, "rb") as file:
+            # a publisher writing in place holds an exclusive lock until done
+            _lock(file, filesystem.LOCK_SH)
+            try:
+                payload = file.read()
+            finally:
+                _unlock(file)
+        try:
+            return _loads(payload.decode("utf-8"))
+        except ValueError:
+            # a publisher that opened the file but has not locked it yet
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(_READ_PAUSE)
+
+
+class Channel(filesystem.Channel):
+    """A filesystem channel whose files are always whole when a consumer takes them."""
+
+    # kombu names the argument "payload" here and "message" in its base class
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        name = _message_name(queue)
+        final = os.path.join(self.data_folder_out, name)
+        # a hidden name: no queue's consumer matches it while it is written
+        partial = os.path.join(self.data_folder_out, f".{name}.part")
+        try:
+            with open(partial, "wb") as file:
+                file.write(_dumps(payload).encode("utf-8"))
+            os.replace(partial, final)
+        except OSError as exc:
+            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
+        wanted = f"{queue}.msg"
+        taken_to = self.processed_folder if self.store_processed else tempfile.gettempdir()
+        for name in sorted(os.listdir(self.data_folder_in)):
+            if name.partition(".")[2] != wanted:
+                continue
+            taken = os.path.join(taken_to, name)
+            try:
+                # the rename decides which consumer has it
+                shutil.move(os.path.join(self.data_folder_in, name), taken)
+            except OSError:
+                continue  # another consumer took it first
+            try:
+                message = _read_whole(taken)
+            except ValueError:
+                os.replace(taken, f"{taken}.bad")
+                logger.error("message file %s never became whole: left as %s.bad", name, taken)
+                continue
+            except OSError as exc:
+                raise ChannelError(f"Cannot read file {taken!r} from queue.") from exc
+            if not self.store_processed:
+                os.remove(taken)
+            return message
+        raise Empty()
+
+
+class Transport(filesystem.Transport):
+    """kombu's filesystem transport with :class:`Channel`: set it as ``broker_transport``."""
+
+    Channel = Channel

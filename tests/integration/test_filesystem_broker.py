@@ -1,0 +1,203 @@
+"""``celery_leases.filesystem``: the filesystem broker hands out whole messages only.
+
+kombu's own transport writes a message file in place, and a consumer
+polling at that moment takes it half written and loses it (about one in a
+hundred of the messages below). A real publisher process sends while the
+test's consumer polls without pause; every message must arrive, once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Connection
+from kombu.transport import filesystem as kombu_filesystem
+
+from celery_leases import LeasedTask
+from celery_leases import filesystem as whole_files
+from celery_leases.task import forget_runtime
+from celery_leases.worker import check_app
+from tests.acceptance.harness import REPO_ROOT
+
+MESSAGES = 2000
+TRANSPORT = "celery_leases.filesystem:Transport"
+
+
+def _options(folder: Path) -> dict[str, Any]:
+    (folder / "messages").mkdir(parents=True, exist_ok=True)
+    (folder / "processed").mkdir(exist_ok=True)
+    (folder / "control").mkdir(exist_ok=True)
+    return {
+        "control_folder": str(folder / "control"),
+        "data_folder_in": str(folder / "messages"),
+        "data_folder_out": str(folder / "messages"),
+        "store_processed": True,
+        "processed_folder": str(folder / "processed"),
+    }
+
+
+def _queue(options: dict[str, Any]) -> str:
+    """The test's own queue: kombu keeps the queues declared in a process, and
+    a queue declared on another test's folders would not be bound on this one's."""
+    return "q-" + Path(options["data_folder_in"]).parent.name
+
+
+def _publisher(options: dict[str, Any], transport: str | None) -> subprocess.Popen[bytes]:
+    """A process that puts :data:`MESSAGES` numbered messages on the test's queue."""
+    code = (
+        "import sys\n"
+        "from kombu import Connection\n"
+        f"with Connection('filesystem://', transport={transport!r},"
+        f" transport_options={options!r}) as connection:\n"
+        f"    queue = connection.SimpleQueue({_queue(options)!r})\n"
+        f"    for number in range({MESSAGES}):\n"
+        "        queue.put({'number': number})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+
+def _consume_all(
+    options: dict[str, Any], publisher: subprocess.Popen[bytes], transport: str | None = TRANSPORT
+) -> tuple[list[int], int]:
+    """Every number taken from the test's queue with ``transport``, polling without pause,
+    and how many taken messages did not decode."""
+    numbers: list[int] = []
+    undecodable = 0
+    deadline = time.monotonic() + 120
+    with Connection(
+        "filesystem://", transport=transport, transport_options={**options, "polling_interval": 0}
+    ) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        while len(numbers) < MESSAGES and time.monotonic() < deadline:
+            try:
+                message = queue.get(timeout=0.5)
+            except queue.Empty:
+                if publisher.poll() is not None and not _waiting(options):
+                    break
+                continue
+            except ValueError:  # kombu's own consumer took a file not yet written
+                undecodable += 1
+                continue
+            numbers.append(message.payload["number"])
+            message.ack()
+    publisher.wait(timeout=60)
+    assert publisher.returncode == 0
+    return numbers, undecodable
+
+
+def _waiting(options: dict[str, Any]) -> list[str]:
+    return [n for n in os.listdir(options["data_folder_in"]) if n.endswith(".msg")]
+
+
+@pytest.mark.parametrize("publisher_transport", [None, TRANSPORT], ids=["kombu", "whole-files"])
+def test_every_message_published_while_a_consumer_polls_arrives_once(
+    tmp_path: Path, publisher_transport: str | None
+) -> None:
+    # kombu's own publisher writes in place: the consumer must read its files
+    # whole; this transport's publisher renames whole files in
+    options = _options(tmp_path)
+    numbers, undecodable = _consume_all(options, _publisher(options, publisher_transport))
+    assert undecodable == 0
+    assert sorted(numbers) == list(range(MESSAGES))
+    assert not list((tmp_path / "processed").glob("*.bad"))
+
+
+def test_a_consumer_of_kombu_s_own_transport_takes_only_whole_files(tmp_path: Path) -> None:
+    # this transport's files are whole before they carry a queue's name:
+    # even kombu's own consumer, which reads whatever it takes, loses none
+    options = _options(tmp_path)
+    numbers, undecodable = _consume_all(options, _publisher(options, TRANSPORT), transport=None)
+    assert undecodable == 0
+    assert sorted(numbers) == list(range(MESSAGES))
+
+
+def test_a_file_being_written_in_place_is_read_once_its_writer_is_done(tmp_path: Path) -> None:
+    options = _options(tmp_path)
+    name = f"{round(time.monotonic() * 1000)}_written-late.{_queue(options)}.msg"
+    path = tmp_path / "messages" / name
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        body = Connection("filesystem://", transport_options=options)
+        with body:
+            # a real message's payload, as kombu's own publisher writes it
+            body.SimpleQueue(_queue(options)).put({"number": 7})
+        [written] = _waiting(options)
+        payload = (tmp_path / "messages" / written).read_bytes()
+        os.remove(tmp_path / "messages" / written)
+        # a writer that opened the file and writes it a moment later
+        writer = subprocess.Popen(
+            [
+                sys.executable, "-c",
+                f"import time\nf = open({str(path)!r}, 'wb')\ntime.sleep(0.3)\n"
+                f"f.write({payload!r})\nf.close()\n",
+            ]
+        )  # fmt: skip
+        while not path.exists():
+            time.sleep(0.01)
+        message = queue.get(timeout=5)
+        writer.wait(timeout=10)
+        assert message.payload == {"number": 7}
+
+
+def test_a_file_that_never_decodes_is_set_aside_and_the_next_message_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(whole_files, "READ_PATIENCE", 0.2)
+    options = _options(tmp_path)
+    broken = f"{round(time.monotonic() * 1000) - 1000}_broken.{_queue(options)}.msg"
+    (tmp_path / "messages" / broken).write_bytes(b'{"body": "cut')
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        queue.put({"number": 1})
+        message = queue.get(timeout=5)
+        assert message.payload == {"number": 1}
+    assert (tmp_path / "processed" / f"{broken}.bad").read_bytes() == b'{"body": "cut'
+
+
+@pytest.fixture
+def filesystem_app(tmp_path: Path) -> Iterator[Celery]:
+    app = Celery("fs", broker="filesystem://", set_as_current=False)
+    app.conf.leases_store = "memory://"
+    app.conf.broker_transport_options = _options(tmp_path)
+
+    @app.task(shared=False, base=LeasedTask, name="job")
+    def job() -> None:
+        pass
+
+    app.finalize()
+    yield app
+    forget_runtime(app)
+    app.close()
+
+
+def _filesystem_warnings(app: Celery) -> list[str]:
+    return [w for w in check_app(app, pool="solo") if "filesystem://" in w]
+
+
+def test_the_start_check_warns_of_kombu_s_own_filesystem_transport(
+    filesystem_app: Celery,
+) -> None:
+    [warning] = _filesystem_warnings(filesystem_app)
+    assert f"broker_transport = {TRANSPORT!r}" in warning
+
+
+@pytest.mark.parametrize("transport", [TRANSPORT, whole_files.Transport], ids=["name", "class"])
+def test_the_start_check_is_quiet_with_the_whole_files_transport(
+    filesystem_app: Celery, transport: object
+) -> None:
+    filesystem_app.conf.broker_transport = transport
+    assert _filesystem_warnings(filesystem_app) == []
+    with filesystem_app.connection_for_write() as connection:
+        # Celery hands the setting to kombu: the worker's connection uses it
+        assert isinstance(connection.transport, whole_files.Transport)
+        assert isinstance(connection.default_channel, whole_files.Channel)
+    assert issubclass(whole_files.Transport, kombu_filesystem.Transport)
