@@ -29,6 +29,7 @@ should use it; a stock publisher's messages are still read whole.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -42,6 +43,13 @@ from typing import IO, Any, cast
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
 from kombu.utils import json as kombu_json
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    _flock = None
+else:
+    _flock = fcntl.flock
 
 __all__ = ["READ_PATIENCE", "TRANSPORT", "Channel", "Transport"]
 
@@ -67,33 +75,63 @@ def _message_name(queue: str) -> str:
     return f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
 
 
+class _StillWritten(Exception):
+    """The file's writer held its lock for all of :data:`READ_PATIENCE`."""
+
+
+def _try_shared_lock(file: IO[bytes]) -> bool:
+    """Take a shared lock on ``file`` without waiting for a writer that holds it."""
+    if _flock is None:  # Windows: kombu's own lock, which waits
+        _lock(file, filesystem.LOCK_SH)
+        return True
+    try:
+        _flock(file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def _read_whole(path: str) -> Any:
     """The decoded message in ``path``, read under a shared lock until whole.
 
+    A writer in place holds an exclusive lock while it writes; one that has
+    opened the file but not locked it yet leaves it empty. Both are waited
+    for, at most :data:`READ_PATIENCE` seconds, and never by blocking on the
+    lock: a writer that stopped (SIGSTOP, a hung disk) cannot stop the
+    consumer's loop.
+
     Raises:
+        _StillWritten: the writer held the lock all that time.
         ValueError: the file did not decode within :data:`READ_PATIENCE`.
         OSError: the file could not be opened or read.
     """
     deadline = time.monotonic() + READ_PATIENCE
     while True:
         with open(path, "rb") as file:
-            # a publisher writing in place holds an exclusive lock until done
-            _lock(file, filesystem.LOCK_SH)
+            locked = _try_shared_lock(file)
+            if locked:
+                try:
+                    payload = file.read()
+                finally:
+                    _unlock(file)
+        if locked:
             try:
-                payload = file.read()
-            finally:
-                _unlock(file)
-        try:
-            return _loads(payload.decode("utf-8"))
-        except ValueError:
-            # a publisher that opened the file but has not locked it yet
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(_READ_PAUSE)
+                return _loads(payload.decode("utf-8"))
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise
+        elif time.monotonic() >= deadline:
+            raise _StillWritten(path)
+        time.sleep(_READ_PAUSE)
 
 
 class Channel(filesystem.Channel):
     """A filesystem channel whose files are always whole when a consumer takes them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        #: files put back while their writer held them: name -> when to look again
+        self._look_again: dict[str, float] = {}
 
     # kombu names the argument "payload" here and "message" in its base class
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
@@ -111,8 +149,9 @@ class Channel(filesystem.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> Any:
         wanted = f"{queue}.msg"
         taken_to = self.processed_folder if self.store_processed else tempfile.gettempdir()
+        now = time.monotonic()
         for name in sorted(os.listdir(self.data_folder_in)):
-            if name.partition(".")[2] != wanted:
+            if name.partition(".")[2] != wanted or self._look_again.get(name, 0.0) > now:
                 continue
             taken = os.path.join(taken_to, name)
             try:
@@ -122,12 +161,20 @@ class Channel(filesystem.Channel):
                 continue  # another consumer took it first
             try:
                 message = _read_whole(taken)
+            except _StillWritten:
+                # its writer still holds it: back into the queue, for a later look
+                shutil.move(taken, os.path.join(self.data_folder_in, name))
+                self._look_again[name] = time.monotonic() + READ_PATIENCE
+                logger.warning("message file %s is still being written: put back", name)
+                continue
             except ValueError:
-                os.replace(taken, f"{taken}.bad")
+                with contextlib.suppress(OSError):
+                    os.replace(taken, f"{taken}.bad")
                 logger.error("message file %s never became whole: left as %s.bad", name, taken)
                 continue
             except OSError as exc:
                 raise ChannelError(f"Cannot read file {taken!r} from queue.") from exc
+            self._look_again.pop(name, None)
             if not self.store_processed:
                 os.remove(taken)
             return message

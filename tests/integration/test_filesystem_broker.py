@@ -9,6 +9,7 @@ test's consumer polls without pause; every message must arrive, once.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -201,3 +202,48 @@ def test_the_start_check_is_quiet_with_the_whole_files_transport(
         assert isinstance(connection.transport, whole_files.Transport)
         assert isinstance(connection.default_channel, whole_files.Channel)
     assert issubclass(whole_files.Transport, kombu_filesystem.Transport)
+
+
+def test_a_writer_stopped_while_holding_its_file_stops_no_consumer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kombu's own publisher, SIGSTOPped between its lock and its write: the
+    # consumer puts the file back and hands out the next message; the file
+    # arrives once its writer goes on
+    monkeypatch.setattr(whole_files, "READ_PATIENCE", 0.3)
+    options = _options(tmp_path)
+    queue_name = _queue(options)
+    path = (
+        tmp_path / "messages" / f"{round(time.monotonic() * 1000) - 1000}_stopped.{queue_name}.msg"
+    )
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(queue_name)
+        queue.put({"number": 2})
+        [later] = _waiting(options)
+        payload = (tmp_path / "messages" / later).read_bytes()
+        os.remove(tmp_path / "messages" / later)  # the stopped writer will write it
+        queue.put({"number": 1})
+        writer = subprocess.Popen(
+            [
+                sys.executable, "-c",
+                "import fcntl, os, signal\n"
+                f"f = open({str(path)!r}, 'wb')\n"
+                "fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
+                "os.kill(os.getpid(), signal.SIGSTOP)\n"
+                f"f.write({payload!r})\nf.close()\n",
+            ]
+        )  # fmt: skip
+        try:
+            while not path.exists():
+                time.sleep(0.01)
+            time.sleep(0.2)  # the writer holds its lock, stopped
+            started = time.monotonic()
+            first = queue.get(timeout=5)
+            assert first.payload == {"number": 1}
+            assert time.monotonic() - started < 3
+            assert path.exists()  # put back, whole or not
+        finally:
+            writer.send_signal(signal.SIGCONT)
+            writer.wait(timeout=10)
+        second = queue.get(timeout=5)
+        assert second.payload == {"number": 2}
