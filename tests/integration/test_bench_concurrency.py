@@ -1,0 +1,35 @@
+"""The concurrency benchmark still runs: a short run prints both sizes and their ratio.
+
+No timing is asserted: only that every size claimed jobs and that the CPU
+split was read.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.postgres
+def test_a_short_run_prints_claims_per_second_of_both_sizes_and_their_ratio() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "concurrency.py"), "--stores", "postgres,redis",
+         "--processes", "1,2", "--seconds", "0.5", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    for store in ("postgres", "redis"):
+        section = run.stdout.split(f"{store}: ", 1)[1]
+        rows = re.findall(
+            r"^\| (\d+) \| ([\d,]+) \| [\d,]+-[\d,]+ \| (\d+)% \| (\d+)% \|", section, re.M
+        )
+        assert [size for size, *_ in rows[:2]] == ["1", "2"], section
+        assert all(int(rate.replace(",", "")) > 0 for _, rate, *_ in rows[:2]), section
+        assert all(0 < int(busy) <= 100 for _, _, busy, _ in rows[:2]), section
+        assert re.search(r"2 processes / 1 processes: [\d.]+x", section), section
