@@ -17,7 +17,10 @@ idle and once every task runs. The figure per task is
 
 the memory a running task costs with a lease beyond what it costs in plain
 Celery (its thread, request and message are in both). The idle gap (the
-library's imports) is printed apart.
+library's imports) is printed apart. The same difference is also split by
+the kind of mapping its pages are in (``/proc/<pid>/smaps``): the threads'
+stacks (anonymous mappings of the stack limit's size: how deep each task's
+thread has reached), the heap and malloc's arenas (the objects), and files.
 
 The worker imports this module as its app (``-A bench.worker_memory``); the
 ``BENCH_*`` environment variables say which task it runs.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -88,6 +92,38 @@ def _rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+#: the kinds of mapping :func:`_rss_split_kb` sorts resident pages into
+SPLIT = ("thread stacks", "heap and arenas", "files")
+
+
+def _stack_kb() -> int:
+    """The size of a new thread's stack mapping: the stack limit (glibc's default)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    return 8192 if soft == resource.RLIM_INFINITY else soft // 1024
+
+
+def _rss_split_kb(pid: int) -> dict[str, int]:
+    """Resident KiB of ``pid`` by the kind of mapping (:data:`SPLIT`)."""
+    split = dict.fromkeys(SPLIT, 0)
+    stack_kb = _stack_kb()
+    path, size = "", 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header
+            path, size = (parts[5] if len(parts) > 5 else ""), 0
+        elif parts[0] == "Size:":
+            size = int(parts[1])
+        elif parts[0] == "Rss:":
+            if path and not path.startswith("["):
+                kind = "files"
+            elif path == "[stack]" or size == stack_kb:
+                kind = "thread stacks"
+            else:
+                kind = "heap and arenas"
+            split[kind] += int(parts[1])
+    return split
+
+
 def _settled_rss_kb(pid: int) -> int:
     """RSS once it stops growing (three reads 0.5 s apart within 64 KiB)."""
     reads = [_rss_kb(pid)]
@@ -107,8 +143,12 @@ def _wait(probe: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> tuple[int, int]:
-    """Start one worker, run ``tasks`` tasks at once; its idle and busy RSS in KiB."""
+Measured = tuple[int, int, dict[str, int]]
+
+
+def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> Measured:
+    """Start one worker, run ``tasks`` tasks at once; its idle and busy RSS in KiB,
+    and the growth from idle to busy by the kind of mapping."""
     broker = f"{server_url}/{db}"
     env = {
         **os.environ,
@@ -131,13 +171,15 @@ def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> tuple[int,
         client = Celery("bench-client", broker=broker)
         _wait(lambda: client.control.ping(timeout=0.5) or False, 60, "the worker to start")
         idle = _settled_rss_kb(worker.pid)
+        idle_split = _rss_split_kb(worker.pid)
         for n in range(tasks):
             client.send_task(TASK_NAME, args=(n,))
         _wait(lambda: int(side.get(STARTED_KEY) or 0) >= tasks, 600, f"{tasks} running tasks")
         busy = _settled_rss_kb(worker.pid)
+        busy_split = _rss_split_kb(worker.pid)
         side.set(RELEASE_KEY, "1")
         client.close()
-        return idle, busy
+        return idle, busy, {kind: busy_split[kind] - idle_split[kind] for kind in SPLIT}
     finally:
         worker.terminate()  # a warm shutdown; the tasks were told to end
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -156,14 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     from tests.servers import RedisServer
 
     per_task: list[float] = []
+    per_kind: dict[str, list[float]] = {kind: [] for kind in SPLIT}
     server = RedisServer()
     try:
         url = f"redis://127.0.0.1:{server.port}"
         for n in range(args.rounds):
-            plain_idle, plain_busy = measure(url, 0, leased=False, tasks=args.tasks)
-            leased_idle, leased_busy = measure(url, 4, leased=True, tasks=args.tasks)
+            plain_idle, plain_busy, plain_grew = measure(url, 0, leased=False, tasks=args.tasks)
+            leased_idle, leased_busy, leased_grew = measure(url, 4, leased=True, tasks=args.tasks)
             extra = ((leased_busy - leased_idle) - (plain_busy - plain_idle)) / args.tasks
             per_task.append(extra)
+            for kind in SPLIT:
+                per_kind[kind].append((leased_grew[kind] - plain_grew[kind]) / args.tasks)
             print(
                 f"round {n + 1}: plain idle {plain_idle} KiB busy {plain_busy} KiB "
                 f"({(plain_busy - plain_idle) / args.tasks:.1f} KiB per task); leased idle "
@@ -175,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.close()
     print(f"median over {len(per_task)} rounds: {statistics.median(per_task):.1f} KiB per task")
+    print(
+        "of which (medians, KiB per task): "
+        + ", ".join(f"{kind} {statistics.median(per_kind[kind]):.1f}" for kind in SPLIT)
+    )
     return 0
 
 
