@@ -67,9 +67,13 @@ _SQS_SCHEMES = ("sqs",)
 _SHORTEST_CAP = 0.5
 
 
+def _scheme(url: object) -> str:
+    """The scheme of a broker URL setting, lower case ("" when unset)."""
+    return str(url or "").split("://", 1)[0].lower()
+
+
 def _is_amqp(app: Any) -> bool:
-    url = str(app.conf.broker_url or "")
-    return url.split("://", 1)[0].lower() in AMQP_TRANSPORTS
+    return _scheme(app.conf.broker_url) in AMQP_TRANSPORTS
 
 
 def consumer_timeout(app: Any) -> float | None:
@@ -169,8 +173,7 @@ _DEFAULT_VISIBILITY = {"redis": 3600.0, "sqs": 1800.0}
 
 def visibility_transport(app: Any) -> str | None:
     """``"redis"``, ``"sqs"`` or None: the transport ``app`` consumes from."""
-    url = str(app.conf.broker_read_url or app.conf.broker_url or "")
-    scheme = url.split("://", 1)[0].lower()
+    scheme = _scheme(app.conf.broker_read_url or app.conf.broker_url)
     if scheme in _REDIS_SCHEMES:
         return "redis"
     if scheme in _SQS_SCHEMES:
@@ -249,7 +252,7 @@ def filesystem_warnings(app: Any) -> list[str]:
     and the message is lost (:mod:`celery_leases.filesystem`).
     """
     urls = (app.conf.broker_read_url, app.conf.broker_write_url, app.conf.broker_url)
-    if not any(str(url or "").split("://", 1)[0].lower() == "filesystem" for url in urls):
+    if "filesystem" not in {_scheme(url) for url in urls}:
         return []
     transport = app.conf.broker_transport
     if transport == WHOLE_FILES_TRANSPORT or (

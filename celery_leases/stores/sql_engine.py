@@ -434,9 +434,12 @@ def open_engines(url: str, engine_options: dict[str, Any]) -> tuple[Engine, Engi
         engine_options.setdefault("pool_reset_on_return", None)
     try:
         engine = sa.create_engine(parsed, **engine_options)
+        # made with the options each call would otherwise set (PostgreSQL's
+        # read and write options are the same: autocommit)
+        calls_options = _POSTGRES.write_options
         calls = (
-            sa.create_engine(parsed, **engine_options, isolation_level="AUTOCOMMIT")
-            if backend == "postgresql" and "isolation_level" not in engine_options
+            sa.create_engine(parsed, **engine_options, **calls_options)
+            if backend == "postgresql" and not calls_options.keys() & engine_options.keys()
             else None
         )
     except (ImportError, exc.NoSuchModuleError) as error:
