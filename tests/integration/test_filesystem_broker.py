@@ -8,6 +8,7 @@ test's consumer polls without pause; every message must arrive, once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -110,6 +111,20 @@ def test_every_message_published_while_a_consumer_polls_arrives_once(
     assert undecodable == 0
     assert sorted(numbers) == list(range(MESSAGES))
     assert not list((tmp_path / "processed").glob("*.bad"))
+
+
+def test_two_consumers_polling_one_folder_never_both_take_a_message(tmp_path: Path) -> None:
+    # the rename into the processed folder decides who has a message: each
+    # arrives once in all, neither lost nor handed to both
+    options = _options(tmp_path)
+    publisher = _publisher(options, TRANSPORT)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        takes = [pool.submit(_consume_all, options, publisher) for _ in range(2)]
+        (first, first_bad), (second, second_bad) = (take.result(timeout=180) for take in takes)
+    assert first_bad == second_bad == 0
+    assert first  # both took a share
+    assert second
+    assert sorted(first + second) == list(range(MESSAGES))
 
 
 def test_a_consumer_of_kombu_s_own_transport_takes_only_whole_files(tmp_path: Path) -> None:
