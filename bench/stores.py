@@ -557,11 +557,14 @@ def _redis_split_round(
             store.complete(lease.job_id, owner, lease.generation)
 
     def claim_scripts() -> None:
-        raw.extend(client.evalsha(claim_sha, 1, key(j), owner, ttl_ms, "") for j in scripted)
+        raw.extend(
+            client.evalsha(claim_sha, 1, key(j), f"{owner}\0{ttl_ms}\0\0\0000\0{j}\0")
+            for j in scripted
+        )
 
     def complete_scripts() -> None:
         for job_id, reply in zip(scripted, raw, strict=True):
-            client.evalsha(complete_sha, 1, key(job_id), owner, reply[1])
+            client.evalsha(complete_sha, 1, key(job_id), owner, reply.split()[0])
 
     def lock_acquires() -> None:
         for lock in locks:

@@ -275,18 +275,13 @@ class RedisStore(RedisBatches, LeaseStore):
             reply = self._eval(
                 self._claim_script,
                 self.key(job_id),
-                owner,
-                ttl_ms,
-                task_name,
-                send_id or "",
-                "0" if send_id is None else "1",
-                task_id,
+                f"{owner}\0{ttl_ms}\0{task_name}\0{send_id or ''}\0"
+                f"{'0' if send_id is None else '1'}\0{task_id}\0",
             )
+            if isinstance(reply, (bytes, str)):
+                generation, lease_until, now, takeovers = map(int, reply.split())
+                return Acquired(job_id, owner, generation, lease_until, now, takeovers)
             code = int(reply[0])
-            if code == scripts.ACQUIRED:
-                return Acquired(
-                    job_id, owner, int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4])
-                )
             if code == scripts.HELD_ELSEWHERE:
                 holder = _text(reply[1])
                 generation, lease_until, now = (int(v) for v in reply[2:5])
@@ -315,22 +310,22 @@ class RedisStore(RedisBatches, LeaseStore):
         self, job_id: str, owner: str, generation: int, outcome: bytes | None
     ) -> CompleteResult:
         with self._errors("complete", job_id):
-            reply = self._eval(
-                self._complete_script,
-                self.key(job_id),
-                owner,
-                generation,
-                outcome or b"",
-                "0" if outcome is None else "1",
-            )
+            args = (owner, generation) if outcome is None else (owner, generation, outcome)
+            reply = self._eval(self._complete_script, self.key(job_id), *args)
+            if reply == scripts.DONE:
+                return Completed(job_id, generation)
             _, refusal = fenced_reply(reply, job_id, owner, generation, self.url)
-            return refusal if refusal is not None else Completed(job_id, generation)
+            assert refusal is not None
+            return refusal
 
     def _release(self, job_id: str, owner: str, generation: int) -> ReleaseResult:
         with self._errors("release", job_id):
             reply = self._eval(self._release_script, self.key(job_id), owner, generation)
+            if reply == scripts.DONE:
+                return Released(job_id, generation)
             _, refusal = fenced_reply(reply, job_id, owner, generation, self.url)
-            return refusal if refusal is not None else Released(job_id, generation)
+            assert refusal is not None
+            return refusal
 
     def _force_release(self, job_id: str, by: str, reason: str) -> LeaseRecord | None:
         with self._errors("force_release", job_id):

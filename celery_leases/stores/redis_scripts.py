@@ -9,7 +9,8 @@ record is never changed by a script; its own reply code says so.
 
 Reply codes of renew, complete and release (the fenced scripts):
 
-- ``{1, ...}``            done
+- ``{1, ...}``            done (renew); complete and release answer ``1``,
+  the cheapest reply to read
 - ``{0}``                 no record: refusal MISSING
 - ``{2, HGETALL pairs}``  refused; the record as it is, to name the reason
   (superseded, released, completed) without asking twice
@@ -44,67 +45,123 @@ end
 local function whole(text)
   return text and string.match(text, '^%d+$') ~= nil
 end
--- The fields of the record at key (owner, generation, state, lease_until,
--- takeovers, send_id, renew_count, task_id): nil when there is none, false when it
+-- Whether f, the fields of a record (owner, generation, state, lease_until,
+-- takeovers, send_id, renew_count, task_id, outcome), can be read: an owner,
+-- whole numbers and a state of ours.
+local function readable(f)
+  local state = f[3]
+  return f[1] ~= nil and whole(f[2]) and whole(f[4])
+    and (f[5] == nil or whole(f[5]))
+    and (state == 'held' or state == 'released' or state == 'completed')
+end
+-- A record's fields by name.
+local function named(f)
+  return {owner = f[1], generation_text = f[2], generation = tonumber(f[2]), state = f[3],
+    lease_until = tonumber(f[4]), takeovers = tonumber(f[5] or '0'), send_id = f[6] or '',
+    task_id = f[8] or '', outcome = f[9]}
+end
+"""
+
+# The record's fields, one HMGET (a record mostly there: renew, complete,
+# release, the operator's scripts).
+_READ = """
+-- The fields of the record at key: nil when there is none, false when it
 -- cannot be read. One HMGET answers for a readable record; a key of another
 -- type answers WRONGTYPE (any other error, such as a Cluster key this node
 -- does not serve, stops the script), and a record without an owner is looked
 -- at again.
 local function fields(key)
   local f = redis.pcall('HMGET', key, 'owner', 'generation', 'state', 'lease_until',
-    'takeovers', 'send_id', 'renew_count', 'task_id')
+    'takeovers', 'send_id', 'renew_count', 'task_id', 'outcome')
   if f.err then
     if string.find(f.err, 'WRONGTYPE', 1, true) then
       return false
     end
     error(f)
   end
-  if not f[1] then
-    if redis.call('EXISTS', key) == 0 then
-      return nil
-    end
-    return false
+  if not f[1] and redis.call('EXISTS', key) == 0 then
+    return nil
   end
-  local state = f[3]
-  if not whole(f[2]) or not whole(f[4])
-      or (f[5] and not whole(f[5]))
-      or not (state == 'held' or state == 'released' or state == 'completed') then
-    return false
-  end
-  return f
+  return readable(f) and f
 end
 -- The record at key: nil when there is none, false when it cannot be read.
 local function load(key)
   local f = fields(key)
-  if not f then
-    return f
+  return f and named(f)
+end
+"""
+
+# The record's fields and the whole record (the claim).
+_READ_ALL = """
+-- The fields of the record at key as fields() answers them, and the whole
+-- record by field name. A claim mostly finds no record: EXISTS tells that
+-- in a fraction of the time a read of a missing key takes, and one HGETALL
+-- reads a record that is there.
+local function all_fields(key)
+  if redis.call('EXISTS', key) == 0 then
+    return nil
   end
-  return {owner = f[1], generation_text = f[2], generation = tonumber(f[2]), state = f[3],
-    lease_until = tonumber(f[4]), takeovers = tonumber(f[5] or '0'), send_id = f[6] or '',
-    task_id = f[8] or ''}
+  local flat = redis.pcall('HGETALL', key)
+  if flat.err then
+    if string.find(flat.err, 'WRONGTYPE', 1, true) then
+      return false
+    end
+    error(flat)
+  end
+  local h = {}
+  for i = 1, #flat, 2 do
+    h[flat[i]] = flat[i + 1]
+  end
+  local f = {h.owner, h.generation, h.state, h.lease_until, h.takeovers, h.send_id,
+    h.renew_count, h.task_id, h.outcome}
+  return readable(f) and f, h
+end
+"""
+
+# Many fields in one argument.
+_SPLITTER = """
+-- The NUL-ended fields of data, one at a time: job ids, owners, task names,
+-- send ids and task ids never hold a NUL, and a client spends longer
+-- encoding many arguments than one.
+local function splitter(data)
+  local at = 1
+  return function()
+    local stop = string.find(data, '\\0', at, true)
+    local text = string.sub(data, at, stop - 1)
+    at = stop + 1
+    return text
+  end, function()
+    return at <= #data
+  end
 end
 """
 
 #: Claim the lease.
-#: KEYS[1] record key; ARGV[1] owner, ARGV[2] ttl in ms, ARGV[3] task name,
-#: ARGV[4] send id ("" when none), ARGV[5] "1" when a send id was given,
-#: ARGV[6] task id ("" when none).
+#: KEYS[1] record key; ARGV[1] six fields, each ended by a NUL byte: owner,
+#: ttl in ms, task name, send id ("" when none), "1" when a send id was
+#: given, task id ("" when none).
 #: A completed record is of this run when no send id was given, the send id
 #: is the record's, or it is "task:" and the record's task id (a message
 #: without a send id, and the completer's task id).
-#: Returns {1, generation, lease_until, now, takeovers}  acquired
-#:         {2, holder, generation, lease_until, now}     held by a live lease elsewhere
-#:         {3, generation, send_id, outcome or nil}      already completed by this run
-#:         {4}                                           the record cannot be read
+#: Returns "generation lease_until now takeovers"  acquired (one string: the
+#:                                           common reply, and the cheapest to read)
+#:         {2, holder, generation, lease_until, now}   held by a live lease elsewhere
+#:         {3, generation, send_id, outcome or nil}    already completed by this run
+#:         {4}                                         the record cannot be read
 CLAIM_SCRIPT = (
     _PRELUDE
+    + _READ_ALL
+    + _SPLITTER
     + """
 local key = KEYS[1]
-local owner, ttl_ms, task_name, send_id = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local r = load(key)
-if r == false then
+local field = splitter(ARGV[1])
+local owner, ttl_ms, task_name, send_id = field(), tonumber(field()), field(), field()
+local send_id_given, task_id = field() == '1', field()
+local f, h = all_fields(key)
+if f == false then
   return {4}
 end
+local r = f and named(f)
 local now = now_ms()
 -- Every claim takes max(previous + 1, clock): after a restart from an older
 -- file, or a failover to a replica that missed the last claims, the clock is
@@ -115,9 +172,9 @@ if r == nil then
   generation, takeovers = now, 0
 elseif r.state == 'completed' then
   -- 'task:' is TASK_ID_SEND_PREFIX
-  if ARGV[5] ~= '1' or send_id == r.send_id
+  if not send_id_given or send_id == r.send_id
       or (r.task_id ~= '' and send_id == 'task:' .. r.task_id) then
-    return {3, r.generation, r.send_id, redis.call('HGET', key, 'outcome')}
+    return {3, r.generation, r.send_id, r.outcome}
   end
   -- another send of a completed job: a new run
   generation, takeovers = math.max(r.generation + 1, now), 0
@@ -130,17 +187,19 @@ else
     takeovers = takeovers + 1
   end
 end
-local lease_until = now + ttl_ms
-redis.call('HSET', key, 'owner', owner, 'generation', int(generation),
-  'lease_until', int(lease_until), 'state', 'held', 'task_name', task_name,
-  'claimed_at', int(now), 'renew_count', '0', 'takeovers', int(takeovers),
-  'send_id', send_id, 'task_id', ARGV[6])
-if r ~= nil then
-  -- a new record never had these; an old one's belong to the previous run
+local generation_text, lease_until_text, now_text = int(generation), int(now + ttl_ms), int(now)
+local takeovers_text = int(takeovers)
+redis.call('HSET', key, 'owner', owner, 'generation', generation_text,
+  'lease_until', lease_until_text, 'state', 'held', 'task_name', task_name,
+  'claimed_at', now_text, 'renew_count', '0', 'takeovers', takeovers_text,
+  'send_id', send_id, 'task_id', task_id)
+if h and (h.renewed_at or h.completed_at or h.outcome or h.released_at
+    or h.released_by or h.release_reason) then
+  -- the previous run's; a new record never had them
   redis.call('HDEL', key, 'renewed_at', 'completed_at', 'outcome', 'released_at',
     'released_by', 'release_reason')
 end
-return {1, generation, lease_until, now, takeovers}
+return generation_text .. ' ' .. lease_until_text .. ' ' .. now_text .. ' ' .. takeovers_text
 """
 )
 
@@ -186,6 +245,7 @@ local now = now_ms()
 #: Returns {1, lease_until, now} renewed, or a fenced refusal (see above).
 RENEW_SCRIPT = (
     _PRELUDE
+    + _READ
     + _FENCE
     + """
 local lease_until = now + tonumber(ARGV[3])
@@ -210,22 +270,17 @@ return {1, lease_until, now}
 RENEW_MANY_SCRIPT = (
     "#!lua flags=allow-cross-slot-keys\n"
     + _PRELUDE
+    + _READ
+    + _SPLITTER
     + _FENCE_FUNCTIONS
     + """
-local data = ARGV[1]
-local at = 1
-local function field()
-  local stop = string.find(data, '\\0', at, true)
-  local text = string.sub(data, at, stop - 1)
-  at = stop + 1
-  return text
-end
+local field, more = splitter(ARGV[1])
 local now = now_ms()
 local now_text = int(now)
 local lease_until_by_ttl = {}
 local replies = {now}
 local i = 0
-while at <= #data do
+while more() do
   i = i + 1
   local key, owner, generation_text, ttl_text = field(), field(), field(), field()
   local refused, r = fence(key, owner, generation_text)
@@ -247,33 +302,38 @@ return replies
 )
 
 #: Complete the job and store its outcome; the record keeps owner and generation.
-#: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation, ARGV[3] outcome
-#: bytes, ARGV[4] "1" when there is an outcome.
-#: Returns {1} completed, or a fenced refusal (see above).
+#: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation, ARGV[3] the outcome
+#: bytes (absent when there is no outcome).
+#: Returns 1 completed, or a fenced refusal (see above).
 COMPLETE_SCRIPT = (
     _PRELUDE
+    + _READ
     + _FENCE
     + """
-redis.call('HSET', key, 'state', 'completed', 'completed_at', int(now))
-if ARGV[4] == '1' then
-  redis.call('HSET', key, 'outcome', ARGV[3])
+if ARGV[3] then
+  redis.call('HSET', key, 'state', 'completed', 'completed_at', int(now), 'outcome', ARGV[3])
 else
-  redis.call('HDEL', key, 'outcome')
+  redis.call('HSET', key, 'state', 'completed', 'completed_at', int(now))
+  if r[9] then
+    -- a claim clears the previous run's outcome; a record written by hand may not
+    redis.call('HDEL', key, 'outcome')
+  end
 end
-return {1}
+return 1
 """
 )
 
 #: Release the lease: the owner is cleared, the generation kept.
 #: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation.
-#: Returns {1} released, or a fenced refusal (see above).
+#: Returns 1 released, or a fenced refusal (see above).
 RELEASE_SCRIPT = (
     _PRELUDE
+    + _READ
     + _FENCE
     + """
 redis.call('HSET', key, 'state', 'released', 'owner', '', 'lease_until', int(now),
   'released_at', int(now))
-return {1}
+return 1
 """
 )
 
@@ -285,6 +345,7 @@ return {1}
 #:         {3}                 the record cannot be read
 FORCE_RELEASE_SCRIPT = (
     _PRELUDE
+    + _READ
     + """
 local key = KEYS[1]
 local r = load(key)
@@ -314,6 +375,7 @@ return {1, redis.call('HGETALL', key)}
 #: Returns 1 deleted, 0 kept.
 PURGE_ONE_SCRIPT = (
     _PRELUDE
+    + _READ
     + """
 local r = load(KEYS[1])
 if not r then

@@ -268,10 +268,20 @@ def test_first_claim_writes_the_record_once_and_deletes_nothing(
     assert isinstance(first, Acquired)
     after = commandstats(raw)
     calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    # one HMGET finds no owner, one EXISTS no record; nothing else is read
-    read = ("cmdstat_hmget", "cmdstat_exists", "cmdstat_type", "cmdstat_hset")
-    assert [calls.get(name, 0) for name in read] == [1, 1, 0, 1]
-    assert calls.get("cmdstat_hdel", 0) == 0
+    # one EXISTS finds no record; nothing else is read
+    read = ("cmdstat_exists", "cmdstat_hgetall", "cmdstat_hmget", "cmdstat_type")
+    assert [calls.get(name, 0) for name in read] == [1, 0, 0, 0]
+    assert (calls.get("cmdstat_hset", 0), calls.get("cmdstat_hdel", 0)) == (1, 0)
+
+    # a completion without an outcome is one read and one write
+    done = redis_store.claim("job-c", "worker-a", 30)
+    assert isinstance(done, Acquired)
+    before = commandstats(raw)
+    assert isinstance(redis_store.complete("job-c", "worker-a", done.generation), Completed)
+    after = commandstats(raw)
+    calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    writes = ("cmdstat_hmget", "cmdstat_hset", "cmdstat_hdel", "cmdstat_exists")
+    assert [calls.get(name, 0) for name in writes] == [1, 1, 0, 0]
 
     # a claim over an old record clears the previous holder's times
     redis_store.renew("job-a", "worker-a", first.generation, 0.05)
