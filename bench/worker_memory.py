@@ -4,6 +4,8 @@ Run it from the repository root::
 
     .venv/bin/python bench/worker_memory.py                 # 1,000 tasks at once
     .venv/bin/python bench/worker_memory.py --tasks 500 --rounds 3
+    .venv/bin/python bench/worker_memory.py --tasks 200 --trace   # where, by source line
+
 
 Each round starts a throwaway redis-server (broker and lease store), then,
 one after the other, two ``celery worker --pool threads -c N`` processes on
@@ -22,6 +24,11 @@ the kind of mapping its pages are in (``/proc/<pid>/smaps``): the threads'
 stacks (anonymous mappings of the stack limit's size: how deep each task's
 thread has reached), the heap and malloc's arenas (the objects), and files.
 
+``--trace`` runs both workers under ``tracemalloc`` instead and prints the
+source lines whose live allocations grew more per running task in the leased
+worker than in the plain one (what a running task keeps alive, by where it
+was made; malloc's own overhead is not in it).
+
 The worker imports this module as its app (``-A bench.worker_memory``); the
 ``BENCH_*`` environment variables say which task it runs.
 """
@@ -32,10 +39,12 @@ import argparse
 import contextlib
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +80,27 @@ def make_app() -> Celery:
         client = redis.Redis.from_url(side or "redis://127.0.0.1:6379/0")
         client.incr(STARTED_KEY)
         while not client.exists(RELEASE_KEY):
-            time.sleep(0.2)
+            time.sleep(1.0)  # 1,000 threads polling faster starve the heartbeat of the GIL
         client.close()
         return n
+
+    trace = os.environ.get("BENCH_TRACE")
+    if trace and tracemalloc.is_tracing():
+        # Celery takes SIGUSR1 for itself; the handler runs in the main thread
+        signal.signal(signal.SIGRTMIN, lambda *_: _dump(Path(trace)))
 
     options: dict[str, Any] = {"name": TASK_NAME, "acks_late": True}
     if leased:
         options["base"] = LeasedTask
     celery_app.task(**options)(hold)
     return celery_app
+
+
+def _dump(path: Path) -> None:
+    """Write this process's ``tracemalloc`` snapshot to ``path`` (whole, by rename)."""
+    part = path.with_suffix(".part")
+    tracemalloc.take_snapshot().dump(str(part))
+    part.rename(path)
 
 
 app = make_app()
@@ -143,24 +164,40 @@ def _wait(probe: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-Measured = tuple[int, int, dict[str, int]]
+#: idle and busy RSS (KiB), the growth by kind of mapping, leases lost before busy was read
+Measured = tuple[int, int, dict[str, int], int]
 
 
-def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> Measured:
+Traced = tuple[tracemalloc.Snapshot, tracemalloc.Snapshot]
+
+
+def _snapshot(pid: int, path: Path) -> tracemalloc.Snapshot:
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGRTMIN)
+    _wait(path.exists, 120, "the worker's tracemalloc snapshot")
+    return tracemalloc.Snapshot.load(str(path))
+
+
+def measure(
+    server_url: str, db: int, *, leased: bool, tasks: int, trace: bool = False
+) -> tuple[Measured, Traced | None]:
     """Start one worker, run ``tasks`` tasks at once; its idle and busy RSS in KiB,
-    and the growth from idle to busy by the kind of mapping."""
+    and the growth from idle to busy by the kind of mapping (and, with ``trace``,
+    its idle and busy ``tracemalloc`` snapshots)."""
     broker = f"{server_url}/{db}"
+    log = Path(f"/tmp/bench-worker-memory-{os.getpid()}-{int(leased)}.log")
     env = {
         **os.environ,
         "BENCH_BROKER": broker,
         "BENCH_STORE": f"{server_url}/{db + 1}",
         "BENCH_SIDE": f"{server_url}/{db + 2}",
         "BENCH_LEASED": "1" if leased else "0",
+        "BENCH_TRACE": str(log.with_suffix(".trace")) if trace else "",
+        "PYTHONTRACEMALLOC": "1" if trace else "",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     side = redis.Redis.from_url(env["BENCH_SIDE"])
     side.delete(STARTED_KEY, RELEASE_KEY)
-    log = Path(f"/tmp/bench-worker-memory-{os.getpid()}-{int(leased)}.log")
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "bench.worker_memory", "worker",
          "--pool", "threads", "-c", str(tasks), "--loglevel", "WARNING",
@@ -172,14 +209,20 @@ def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> Measured:
         _wait(lambda: client.control.ping(timeout=0.5) or False, 60, "the worker to start")
         idle = _settled_rss_kb(worker.pid)
         idle_split = _rss_split_kb(worker.pid)
+        traced = log.with_suffix(".trace")
+        idle_trace = _snapshot(worker.pid, traced) if trace else None
         for n in range(tasks):
             client.send_task(TASK_NAME, args=(n,))
         _wait(lambda: int(side.get(STARTED_KEY) or 0) >= tasks, 600, f"{tasks} running tasks")
         busy = _settled_rss_kb(worker.pid)
         busy_split = _rss_split_kb(worker.pid)
+        busy_trace = _snapshot(worker.pid, traced) if trace else None
+        lost = log.read_text(errors="replace").count("lease lost:") if log.exists() else 0
         side.set(RELEASE_KEY, "1")
         client.close()
-        return idle, busy, {kind: busy_split[kind] - idle_split[kind] for kind in SPLIT}
+        grew = {kind: busy_split[kind] - idle_split[kind] for kind in SPLIT}
+        snapshots = None if idle_trace is None or busy_trace is None else (idle_trace, busy_trace)
+        return (idle, busy, grew, lost), snapshots
     finally:
         worker.terminate()  # a warm shutdown; the tasks were told to end
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -189,10 +232,42 @@ def measure(server_url: str, db: int, *, leased: bool, tasks: int) -> Measured:
         side.close()
 
 
+def _grown(snapshots: Traced) -> dict[tuple[str, int], int]:
+    """Bytes of live memory by allocating line, busy minus idle."""
+    idle, busy = snapshots
+    return {
+        (stat.traceback[0].filename, stat.traceback[0].lineno): stat.size_diff
+        for stat in busy.compare_to(idle, "lineno")
+    }
+
+
+def _print_trace(plain: Traced, leased: Traced, tasks: int, lines: int) -> None:
+    plain_grown, leased_grown = _grown(plain), _grown(leased)
+    extra = {
+        where: (leased_grown.get(where, 0) - plain_grown.get(where, 0)) / tasks
+        for where in plain_grown.keys() | leased_grown.keys()
+    }
+    total = sum(extra.values())
+    print(f"live Python memory a lease adds per running task: {total:.0f} bytes")
+    print("bytes per task  where (the line that allocated it)")
+    for (filename, lineno), size in sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:lines]:
+        short = (
+            os.path.relpath(filename, REPO_ROOT)
+            if filename.startswith(str(REPO_ROOT))
+            else filename
+        )
+        print(f"{size:14.0f}  {short}:{lineno}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=1000, help="tasks running at once")
     parser.add_argument("--rounds", type=int, default=1, help="rounds (each: plain, then leased)")
+    parser.add_argument(
+        "--trace", action="store_true",
+        help="instead: one round under tracemalloc, the lines whose live memory grew most",
+    )  # fmt: skip
+    parser.add_argument("--lines", type=int, default=25, help="lines printed by --trace")
     args = parser.parse_args(argv)
 
     from tests.servers import RedisServer
@@ -202,13 +277,21 @@ def main(argv: list[str] | None = None) -> int:
     server = RedisServer()
     try:
         url = f"redis://127.0.0.1:{server.port}"
+        if args.trace:
+            _, plain_trace = measure(url, 0, leased=False, tasks=args.tasks, trace=True)
+            _, leased_trace = measure(url, 4, leased=True, tasks=args.tasks, trace=True)
+            assert plain_trace is not None
+            assert leased_trace is not None
+            _print_trace(plain_trace, leased_trace, args.tasks, args.lines)
+            return 0
         for n in range(args.rounds):
-            plain_idle, plain_busy, plain_grew = measure(url, 0, leased=False, tasks=args.tasks)
-            leased_idle, leased_busy, leased_grew = measure(url, 4, leased=True, tasks=args.tasks)
+            (plain_idle, plain_busy, plain_grew, _), _ = measure(
+                url, 0, leased=False, tasks=args.tasks
+            )
+            (leased_idle, leased_busy, leased_grew, lost), _ = measure(
+                url, 4, leased=True, tasks=args.tasks
+            )
             extra = ((leased_busy - leased_idle) - (plain_busy - plain_idle)) / args.tasks
-            per_task.append(extra)
-            for kind in SPLIT:
-                per_kind[kind].append((leased_grew[kind] - plain_grew[kind]) / args.tasks)
             print(
                 f"round {n + 1}: plain idle {plain_idle} KiB busy {plain_busy} KiB "
                 f"({(plain_busy - plain_idle) / args.tasks:.1f} KiB per task); leased idle "
@@ -217,8 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"a lease adds {extra:.1f} KiB per running task; imports add "
                 f"{leased_idle - plain_idle} KiB"
             )
+            if lost:
+                # a lost lease's run is fenced out and its message published again
+                print(f"round {n + 1} left out: {lost} leases were lost before busy was read")
+                continue
+            per_task.append(extra)
+            for kind in SPLIT:
+                per_kind[kind].append((leased_grew[kind] - plain_grew[kind]) / args.tasks)
     finally:
         server.close()
+    if not per_task:
+        print("no round held every lease")
+        return 1
     print(f"median over {len(per_task)} rounds: {statistics.median(per_task):.1f} KiB per task")
     print(
         "of which (medians, KiB per task): "

@@ -108,6 +108,14 @@ class Lease:
         hostname: the worker's node name (for messages and events).
     """
 
+    # a running task holds one: slots keep it without an attribute dictionary
+    __slots__ = (
+        "__weakref__", "_clock", "_deadline", "_finished", "_in_body", "_interrupted",
+        "_lease_until_ms", "_lock", "_lost", "_on_lost", "_on_renewed", "_thread_id",
+        "completed_in_transaction", "generation", "hostname", "job_id", "next_renew_at",
+        "owner", "renewals", "store", "task_id", "task_name", "timing",
+    )  # fmt: skip
+
     def __init__(
         self,
         *,

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
@@ -49,6 +47,7 @@ from celery_leases.run_steps import (
     defer_unavailable,
     release,
 )
+from celery_leases.runs import Run, innermost, pop, push, running
 from celery_leases.runtime import (
     TaskOptions,
     app_bound,
@@ -70,32 +69,6 @@ from celery_leases.stores.base import Acquired, AlreadyCompleted, HeldElsewhere,
 __all__ = ["DEFERRALS_HEADER", "LeasedTask", "forget_runtime", "settings_for", "store_for"]
 
 logger = logging.getLogger("celery_leases")
-
-
-# --- the runs of this thread ------------------------------------------------------
-
-
-@dataclass
-class _Run:
-    """A leased body running in this thread (nested runs share the lease)."""
-
-    task_name: str
-    lease: Lease
-    request: Any
-    #: the lease was given up before a retry or replace was published
-    handed_over: bool = False
-
-
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.runs: list[_Run] = []
-
-
-_local = _Local()
-
-
-def _running(request: Any) -> bool:
-    return any(run.request is request for run in _local.runs)
 
 
 # --- the task -------------------------------------------------------------------
@@ -139,7 +112,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         Raises:
             LeaseError: no leased run of this task is running in this thread.
         """
-        for run in reversed(_local.runs):
+        for run in innermost():
             if run.task_name == self.name:
                 return run.lease
         raise LeaseError(
@@ -258,9 +231,9 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lease.hand_over(reason)  # the next run holds the job: this one reads lost
         run.handed_over = True
 
-    def _current_run(self) -> _Run | None:
+    def _current_run(self) -> Run | None:
         request = self.request
-        for run in reversed(_local.runs):
+        for run in innermost():
             if run.request is request:
                 return run
         return None
@@ -269,7 +242,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         top = self.request_stack.top
-        if top is not None and not _running(top):
+        if top is not None and not running(top):
             return self._run_leased(args, kwargs)
         # called directly (also from inside a running body): a request of its own
         _task_stack.push(self)
@@ -291,7 +264,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         owner = make_owner()
         try:
             store = store_for(app)
-            for run in reversed(_local.runs):
+            for run in innermost():
                 if run.lease.job_id == job_id and run.lease.store is store:
                     return self._run_nested(run, request, args, kwargs)
             started = time.monotonic()  # before the claim is sent
@@ -313,8 +286,8 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         limit = options.takeover_limit
         if limit is not None and claim.takeovers > limit:
             reject_poison(self, lease, claim, limit, args, kwargs)
-        run = _Run(self.name, lease, request)
-        _local.runs.append(run)
+        run = Run(self.name, lease, request)
+        push(run)
         heartbeat = process_heartbeat()
         heartbeat.add(lease)
         signals.lease_claimed.send(
@@ -324,18 +297,18 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return self._run_body(run, args, kwargs)
         finally:
             heartbeat.remove(lease)
-            _local.runs.remove(run)
+            pop(run)
 
     def _run_nested(
-        self, holder: _Run, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, holder: Run, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Run inside the lease this thread already holds on the same job."""
-        run = _Run(self.name, holder.lease, request)
-        _local.runs.append(run)
+        run = Run(self.name, holder.lease, request)
+        push(run)
         try:
             return self.run(*args, **kwargs)
         finally:
-            _local.runs.remove(run)
+            pop(run)
 
     def _make_lease(
         self,
@@ -345,14 +318,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         options: TaskOptions,
         request: Any,
     ) -> Lease:
-        mode = options.on_lost
-
-        def on_lost(lease: Lease) -> None:
-            react_to_loss(self, lease, mode)
-
-        def on_renewed(lease: Lease) -> None:
-            notify(signals.lease_renewed.send, sender=self, lease=lease, job_id=lease.job_id)
-
+        on_lost, on_renewed = self._lease_callbacks(options.on_lost)
         return Lease(
             job_id=claim.job_id,
             owner=claim.owner,
@@ -368,7 +334,23 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             hostname=request.hostname,
         )
 
-    def _run_body(self, run: _Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _lease_callbacks(self, mode: OnLost) -> tuple[Callable[[Lease], None], ...]:
+        """The ``on_lost`` and ``on_renewed`` of this task's leases, made once per
+        mode (a pair of closures per run would cost each running task 400 bytes)."""
+        cached = self.__dict__.get("_lease_callback_pair")
+        if cached is not None and cached[0] == mode:
+            return cached[1:]  # type: ignore[no-any-return]
+
+        def on_lost(lease: Lease) -> None:
+            react_to_loss(self, lease, mode)
+
+        def on_renewed(lease: Lease) -> None:
+            notify(signals.lease_renewed.send, sender=self, lease=lease, job_id=lease.job_id)
+
+        self.__dict__["_lease_callback_pair"] = (mode, on_lost, on_renewed)
+        return on_lost, on_renewed
+
+    def _run_body(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         lease, request = run.lease, run.request
         try:
             try:
