@@ -24,6 +24,11 @@ the kind of mapping its pages are in (``/proc/<pid>/smaps``): the threads'
 stacks (anonymous mappings of the stack limit's size: how deep each task's
 thread has reached), the heap and malloc's arenas (the objects), and files.
 
+``--trim`` has each worker collect garbage and call glibc's ``malloc_trim(0)``
+before each reading, so freed memory that malloc kept in its arenas (which
+depends on how the threads' allocations happened to interleave) is not
+counted.
+
 ``--trace`` runs both workers under ``tracemalloc`` instead and prints the
 source lines whose live allocations grew more per running task in the leased
 worker than in the plain one (what a running task keeps alive, by where it
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import resource
 import signal
@@ -84,6 +90,8 @@ def make_app() -> Celery:
         client.close()
         return n
 
+    if os.environ.get("BENCH_TRIM") == "1":
+        signal.signal(TRIM_SIGNAL, lambda *_: _trim())
     trace = os.environ.get("BENCH_TRACE")
     if trace and tracemalloc.is_tracing():
         # Celery takes SIGUSR1 for itself; the handler runs in the main thread
@@ -94,6 +102,18 @@ def make_app() -> Celery:
         options["base"] = LeasedTask
     celery_app.task(**options)(hold)
     return celery_app
+
+
+#: tells a worker to collect garbage and hand freed heap pages back (``--trim``)
+TRIM_SIGNAL = signal.SIGRTMIN + 1
+
+
+def _trim() -> None:
+    """Collect garbage, then ask glibc to return every arena's free pages to the OS."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _dump(path: Path) -> None:
@@ -179,7 +199,7 @@ def _snapshot(pid: int, path: Path) -> tracemalloc.Snapshot:
 
 
 def measure(
-    server_url: str, db: int, *, leased: bool, tasks: int, trace: bool = False
+    server_url: str, db: int, *, leased: bool, tasks: int, trace: bool = False, trim: bool = False
 ) -> tuple[Measured, Traced | None]:
     """Start one worker, run ``tasks`` tasks at once; its idle and busy RSS in KiB,
     and the growth from idle to busy by the kind of mapping (and, with ``trace``,
@@ -193,6 +213,7 @@ def measure(
         "BENCH_SIDE": f"{server_url}/{db + 2}",
         "BENCH_LEASED": "1" if leased else "0",
         "BENCH_TRACE": str(log.with_suffix(".trace")) if trace else "",
+        "BENCH_TRIM": "1" if trim else "0",
         "PYTHONTRACEMALLOC": "1" if trace else "",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
@@ -207,6 +228,8 @@ def measure(
     try:
         client = Celery("bench-client", broker=broker)
         _wait(lambda: client.control.ping(timeout=0.5) or False, 60, "the worker to start")
+        if trim:
+            os.kill(worker.pid, TRIM_SIGNAL)
         idle = _settled_rss_kb(worker.pid)
         idle_split = _rss_split_kb(worker.pid)
         traced = log.with_suffix(".trace")
@@ -214,6 +237,8 @@ def measure(
         for n in range(tasks):
             client.send_task(TASK_NAME, args=(n,))
         _wait(lambda: int(side.get(STARTED_KEY) or 0) >= tasks, 600, f"{tasks} running tasks")
+        if trim:
+            os.kill(worker.pid, TRIM_SIGNAL)
         busy = _settled_rss_kb(worker.pid)
         busy_split = _rss_split_kb(worker.pid)
         busy_trace = _snapshot(worker.pid, traced) if trace else None
@@ -267,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", action="store_true",
         help="instead: one round under tracemalloc, the lines whose live memory grew most",
     )  # fmt: skip
+    parser.add_argument(
+        "--trim", action="store_true",
+        help="have each worker collect garbage and malloc_trim(0) before each reading",
+    )  # fmt: skip
     parser.add_argument("--lines", type=int, default=25, help="lines printed by --trace")
     args = parser.parse_args(argv)
 
@@ -286,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for n in range(args.rounds):
             (plain_idle, plain_busy, plain_grew, _), _ = measure(
-                url, 0, leased=False, tasks=args.tasks
+                url, 0, leased=False, tasks=args.tasks, trim=args.trim
             )
             (leased_idle, leased_busy, leased_grew, lost), _ = measure(
-                url, 4, leased=True, tasks=args.tasks
+                url, 4, leased=True, tasks=args.tasks, trim=args.trim
             )
             extra = ((leased_busy - leased_idle) - (plain_busy - plain_idle)) / args.tasks
             print(

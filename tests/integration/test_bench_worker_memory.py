@@ -1,0 +1,43 @@
+"""The worker memory benchmark still runs: short runs print their figures.
+
+No memory figure is asserted (it is a measurement): only that both workers
+ran every task, that the trimmed round was counted, and that ``--trace``
+names the lines of this library a lease allocates on.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.redis
+
+
+def _bench(*args: str) -> str:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "worker_memory.py"), "--tasks", "8", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_trimmed_round_prints_what_a_lease_adds_per_task() -> None:
+    out = _bench("--rounds", "1", "--trim")
+    assert re.search(r"round 1: plain idle \d+ KiB busy \d+ KiB", out)
+    assert "left out" not in out
+    assert re.search(r"median over 1 rounds: -?[\d.]+ KiB per task", out)
+
+
+@pytest.mark.timeout(120)
+def test_trace_names_the_lines_a_running_lease_allocates_on() -> None:
+    out = _bench("--trace", "--lines", "40")
+    assert re.search(r"live Python memory a lease adds per running task: -?\d+ bytes", out)
+    assert "celery_leases/" in out
