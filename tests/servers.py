@@ -306,7 +306,13 @@ class MariadbServer(_ServerProcess):
             ],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
-        self.start()
+        for _ in range(3):  # another process may take the free port first
+            with contextlib.suppress(RuntimeError):  # it exited: the port was taken
+                self.start()
+            if self._listening():
+                break
+            self.stop()
+            self.port = free_port()
         self.sql(
             f"CREATE DATABASE {self.DATABASE};"
             f"CREATE USER '{self.USER}'@'127.0.0.1' IDENTIFIED BY '{self.PASSWORD}';"
@@ -339,6 +345,18 @@ class MariadbServer(_ServerProcess):
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for_port(self.port, self.proc, timeout=60.0)
+
+    def _listening(self) -> bool:
+        """Whether this server (not another process on its port) is up: it is
+        running and has made its socket, which it does after binding the port."""
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            if self.socket.exists():
+                return True
+            time.sleep(0.1)
+        return False
 
     def sql(self, script: str) -> str:
         """Run ``script`` as root over the socket; its output."""
