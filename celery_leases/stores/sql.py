@@ -154,6 +154,7 @@ class SqlStore(LeaseStore):
         self._where = (self.url, self.table.name)
         self._owns_engine = False
         self._calls_engine = calls_engine
+        self._autocommit_writes = self._dialect.write_options.get("isolation_level") == "AUTOCOMMIT"
         if calls_engine is not None:
             # its connections are in autocommit from the start: no isolation
             # level is set and reset around every call (about 0.1 ms of CPU
@@ -347,11 +348,9 @@ class SqlStore(LeaseStore):
             if isinstance(operations, MysqlOperations):
                 # a transaction each, as many as a race on a new row needs
                 return operations.claim_in_turns(self._writer, parameters)
-            # a transaction commits before the result leaves its block
-            with self._writer.begin() as conn:
-                if self._statements.decide is not None:
-                    return operations.claim_locking(conn, parameters)
-                return operations.claim_in_transaction(conn, parameters, send_id)
+            if self._statements.decide is not None:
+                return self._in_write(operations.claim_locking, parameters)
+            return self._in_write(operations.claim_in_transaction, parameters, send_id)
 
         return self._call("claim", work, job_id=job_id, owner=owner)
 
@@ -368,8 +367,7 @@ class SqlStore(LeaseStore):
 
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
         def work() -> list[RenewResult]:
-            with self._writer.begin() as conn:
-                return self._operations.renew_many(conn, requests)
+            return self._in_write(self._operations.renew_many, requests)
 
         return self._call("renew_many", work, again=True)
 
@@ -413,11 +411,21 @@ class SqlStore(LeaseStore):
         gen: int | None = None,
     ) -> T:
         def work() -> T:
-            with self._writer.begin() as conn:
-                return step(conn, parameters)
+            return self._in_write(step, parameters)
 
         job_id = parameters["p_job_id"]
         return self._call(operation, work, again=again, job_id=job_id, owner=owner, generation=gen)
+
+    def _in_write(self, step: Callable[..., T], *arguments: Any) -> T:
+        """``step(conn, *arguments)`` on a writing connection, committed
+        before its result leaves: in autocommit (PostgreSQL) each statement
+        commits itself, so no transaction is begun around them (its COMMIT
+        would be one more driver call); elsewhere in one transaction."""
+        with self._writer.connect() as conn:
+            if self._autocommit_writes:
+                return step(conn, *arguments)
+            with conn.begin():
+                return step(conn, *arguments)
 
     def _get(self, job_id: str) -> LeaseRecord | None:
         def work() -> LeaseRecord | None:
@@ -450,8 +458,7 @@ class SqlStore(LeaseStore):
 
     def _purge(self, older_than_ms: int) -> int:
         def work() -> int:
-            with self._writer.begin() as conn:
-                return self._operations.purge(conn, older_than_ms)
+            return self._in_write(self._operations.purge, older_than_ms)
 
         # deleting what is old enough twice deletes it once
         return self._call("purge", work, again=True)

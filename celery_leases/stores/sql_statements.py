@@ -27,7 +27,25 @@ from celery_leases.stores.sql_table import _Dialect
 # p_send_id, p_new_send (a send id was given), p_task_id, p_outcome, p_by,
 # p_reason; p_batch (the JSON of a renew_many); p_job_ids (expanding); p_older_than_ms.
 # The "p_" keeps them apart from the column names, which SQLAlchemy reserves
-# in INSERT and UPDATE.
+# in INSERT and UPDATE. The constants (states, counts, NULLs) are written
+# into the SQL instead (_const): bound, each would be one more parameter to
+# build and convert on every call, and the claim had 21 of them.
+
+
+def _const(value: str | int | None) -> ColumnElement[Any]:
+    """``value`` written into the statement's SQL, not bound."""
+    if value is None:
+        return sa.null()
+    if isinstance(value, int):
+        return sa.literal_column(str(value), sa.Integer)
+    if "'" in value:
+        raise ValueError(f"not a constant this module writes: {value!r}")
+    return sa.literal_column(f"'{value}'", sa.String)
+
+
+_HELD = _const(LeaseState.HELD.value)
+_RELEASED = _const(LeaseState.RELEASED.value)
+_COMPLETED = _const(LeaseState.COMPLETED.value)
 
 
 def _held_by_parameters(table: sa.Table) -> ColumnElement[bool]:
@@ -44,7 +62,7 @@ def _held_by(table: sa.Table, job_id: Any, owner: Any, generation: Any) -> Colum
         t.job_id == job_id,
         t.owner == owner,
         t.generation == generation,
-        t.state == LeaseState.HELD.value,
+        t.state == _HELD,
     )
 
 
@@ -70,17 +88,16 @@ def _takeable(record: Any, now: Any, send_id: Any) -> ColumnElement[bool]:
     completed by another run than that of a given ``:p_send_id`` (a new
     run): another send id, and not ``task:`` and the completer's task id
     (``LeaseRecord.is_same_run``)."""
-    held = LeaseState.HELD.value
     return sa.or_(
-        record.state == LeaseState.RELEASED.value,
-        sa.and_(record.state == held, record.lease_until <= now),
+        record.state == _RELEASED,
+        sa.and_(record.state == _HELD, record.lease_until <= now),
         sa.and_(
-            record.state == LeaseState.COMPLETED.value,
+            record.state == _COMPLETED,
             sa.bindparam("p_new_send", type_=sa.Boolean),
             record.send_id != send_id,
             sa.or_(
-                record.task_id == "",
-                send_id != sa.literal(TASK_ID_SEND_PREFIX, sa.String) + record.task_id,
+                record.task_id == _const(""),
+                send_id != _const(TASK_ID_SEND_PREFIX) + record.task_id,
             ),
         ),
     )
@@ -91,24 +108,23 @@ def _takeover_values(
 ) -> dict[str, Any]:
     """The SET of a takeover at ``now``; ``new`` holds the claim's owner,
     lease_until, task_name, send_id and task_id."""
-    held = LeaseState.HELD.value
     return {
         **new,
-        "generation": dialect.greatest(t.c.generation + 1, now),
-        "state": held,
+        "generation": dialect.greatest(t.c.generation + _const(1), now),
+        "state": _HELD,
         "claimed_at": now,
-        "renewed_at": None,
-        "completed_at": None,
-        "renew_count": 0,
+        "renewed_at": _const(None),
+        "completed_at": _const(None),
+        "renew_count": _const(0),
         "takeovers": sa.case(
-            (t.c.state == held, t.c.takeovers + 1),
-            (t.c.state == LeaseState.COMPLETED.value, 0),
+            (t.c.state == _HELD, t.c.takeovers + _const(1)),
+            (t.c.state == _COMPLETED, _const(0)),
             else_=t.c.takeovers,
         ),
-        "outcome": None,
-        "released_at": None,
-        "released_by": "",
-        "release_reason": "",
+        "outcome": _const(None),
+        "released_at": _const(None),
+        "released_by": _const(""),
+        "release_reason": _const(""),
     }
 
 
@@ -127,18 +143,17 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     """
     t = table
     n = _now_row(dialect)
-    held = LeaseState.HELD.value
     source = (
         sa.select(
             sa.bindparam("p_job_id", type_=sa.String),
             sa.bindparam("p_owner", type_=sa.String),
             n.c.now,
             n.c.now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
-            sa.literal(held, sa.String),
+            _HELD,
             sa.bindparam("p_task_name", type_=sa.String),
             n.c.now,
-            sa.literal(0, sa.Integer),
-            sa.literal(0, sa.Integer),
+            _const(0),
+            _const(0),
             sa.bindparam("p_send_id", type_=sa.String),
             sa.bindparam("p_task_id", type_=sa.String),
         )
@@ -243,7 +258,7 @@ def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
         .values(
             lease_until=now + batch.c.ttl,
             renewed_at=now,
-            renew_count=t.c.renew_count + 1,
+            renew_count=t.c.renew_count + _const(1),
         )
         .where(
             t.c.job_id == batch.c.job_id,
@@ -251,7 +266,7 @@ def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
             t.c.generation == batch.c.generation,
             # "|| ''" keeps SQLite from driving the join with the state
             # index, which would scan the whole batch once per held row
-            t.c.state.concat("") == LeaseState.HELD.value,
+            t.c.state.concat(_const("")) == _HELD,
         )
         .returning(t.c.job_id, t.c.owner, t.c.generation, t.c.lease_until, t.c.renewed_at)
     )
@@ -284,7 +299,7 @@ def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any
             .values(
                 lease_until=now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
                 renewed_at=now,
-                renew_count=t.c.renew_count + 1,
+                renew_count=t.c.renew_count + _const(1),
             )
             .where(_held_by_parameters(t))
         ),
@@ -292,7 +307,7 @@ def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any
         "complete": (
             sa.update(t)
             .values(
-                state=LeaseState.COMPLETED.value,
+                state=_COMPLETED,
                 completed_at=dialect.now_ms(),
                 outcome=sa.bindparam("p_outcome", type_=sa.LargeBinary),
             )
@@ -301,8 +316,8 @@ def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any
         "release": (
             sa.update(t)
             .values(
-                state=LeaseState.RELEASED.value,
-                owner="",
+                state=_RELEASED,
+                owner=_const(""),
                 lease_until=now,
                 released_at=now,
             )
@@ -311,9 +326,9 @@ def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any
         "force_release": (
             sa.update(t)
             .values(
-                generation=t.c.generation + 1,
-                state=LeaseState.RELEASED.value,
-                owner="",
+                generation=t.c.generation + _const(1),
+                state=_RELEASED,
+                owner=_const(""),
                 lease_until=now,
                 released_at=now,
                 released_by=sa.bindparam("p_by", type_=sa.String),
@@ -321,7 +336,7 @@ def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any
             )
             .where(
                 t.c.job_id == sa.bindparam("p_job_id"),
-                t.c.state.in_([LeaseState.HELD.value, LeaseState.RELEASED.value]),
+                t.c.state.in_([_HELD, _RELEASED]),
                 dialect.whole(t.c.generation),
             )
         ),
@@ -395,11 +410,11 @@ class _Statements:
             purge=sa.delete(t).where(
                 sa.or_(
                     sa.and_(
-                        t.c.state == LeaseState.COMPLETED.value,
+                        t.c.state == _COMPLETED,
                         t.c.completed_at <= purge_before,
                     ),
                     sa.and_(
-                        t.c.state == LeaseState.RELEASED.value,
+                        t.c.state == _RELEASED,
                         # released before released_at existed: the lease
                         # ended at the release
                         sa.func.coalesce(t.c.released_at, t.c.lease_until) <= purge_before,
