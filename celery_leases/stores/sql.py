@@ -34,7 +34,9 @@ from sqlalchemy.sql.expression import ColumnElement
 
 from celery_leases.errors import LeaseRecordUnreadable
 from celery_leases.stores.base import (
+    Acquired,
     ClaimResult,
+    Completed,
     CompleteResult,
     LeaseRecord,
     LeaseState,
@@ -44,6 +46,7 @@ from celery_leases.stores.base import (
     RenewResult,
 )
 from celery_leases.stores.deadline import store_waits, time_left
+from celery_leases.stores.sql_driver import DriverStatements, sends_by_driver
 from celery_leases.stores.sql_engine import (
     MIN_SQLITE_VERSION,
     SQLITE_BUSY_TIMEOUT,
@@ -165,6 +168,11 @@ class SqlStore(LeaseStore):
             self._writer = engine.execution_options(**self._dialect.write_options)
             self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = _Statements.build(self.table, self._dialect)
+        self._driver = (
+            DriverStatements(calls_engine, vars(self._statements))
+            if calls_engine is not None and sends_by_driver(calls_engine)
+            else None
+        )
         self._operations = (
             MysqlOperations(
                 self._statements, self.url, _MysqlStatements.build(self.table, self._dialect)
@@ -345,6 +353,11 @@ class SqlStore(LeaseStore):
         operations = self._operations
 
         def work() -> ClaimResult:
+            if self._driver is not None and not self._driver.listened:
+                row = self._driver.first("claim", parameters)
+                if row is not None:
+                    return Acquired(job_id, owner, *row)
+                return self._in_write(operations.claim_locking, parameters, True)
             if isinstance(operations, MysqlOperations):
                 # a transaction each, as many as a race on a new row needs
                 return operations.claim_in_turns(self._writer, parameters)
@@ -382,6 +395,17 @@ class SqlStore(LeaseStore):
         }
         # tried again after a lost reply: the base class judges the refusal
         # "completed by this owner and generation" to be this completion
+        if self._driver is not None and not self._driver.listened:
+            driver = self._driver
+
+            def work() -> CompleteResult:
+                if driver.first("complete", parameters) is not None:
+                    return Completed(job_id, generation)
+                return self._in_write(self._operations.refusal, parameters)
+
+            return self._call(
+                "complete", work, again=True, job_id=job_id, owner=owner, generation=generation
+            )
         return self._write(
             "complete", self._operations.complete, parameters, again=True, owner=owner,
             gen=generation,

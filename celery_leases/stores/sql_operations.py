@@ -24,6 +24,7 @@ from celery_leases.stores.base import (
     HeldElsewhere,
     LeaseRecord,
     LeaseState,
+    Refusal,
     Released,
     ReleaseResult,
     Renewed,
@@ -101,13 +102,16 @@ class Operations:
                     return decided
         raise self._undecided(parameters)
 
-    def claim_locking(self, conn: Connection, parameters: dict[str, Any]) -> ClaimResult:
+    def claim_locking(
+        self, conn: Connection, parameters: dict[str, Any], tried: bool = False
+    ) -> ClaimResult:
         """PostgreSQL: the claim, then (when it matched nothing) the decide
         statement, which locks the record and takes it over or reports it.
-        Claimed again only if the record was purged in between."""
+        Claimed again only if the record was purged in between. ``tried``:
+        the caller's claim statement matched nothing already."""
         job_id, owner = parameters["p_job_id"], parameters["p_owner"]
-        for _ in range(CLAIM_ATTEMPTS):
-            acquired = self.try_claim(conn, parameters)
+        for attempt in range(CLAIM_ATTEMPTS):
+            acquired = None if tried and attempt == 0 else self.try_claim(conn, parameters)
             if acquired is not None:
                 return acquired
             row = conn.execute(self.statements.decide, parameters).first()
@@ -204,14 +208,15 @@ class Operations:
         return results
 
     def complete(self, conn: Connection, parameters: dict[str, Any]) -> CompleteResult:
-        job_id, owner, generation = (
-            parameters["p_job_id"],
-            parameters["p_owner"],
-            parameters["p_generation"],
-        )
         if conn.execute(self.statements.complete, parameters).first() is None:
-            return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
-        return Completed(job_id, generation)
+            return self.refusal(conn, parameters)
+        return Completed(parameters["p_job_id"], parameters["p_generation"])
+
+    def refusal(self, conn: Connection, parameters: dict[str, Any]) -> Refusal:
+        """Why the fenced write of ``parameters`` matched nothing, from the record."""
+        job_id, owner = parameters["p_job_id"], parameters["p_owner"]
+        record = self.select_record(conn, job_id)
+        return refusal_for(record, job_id, owner, parameters["p_generation"])
 
     def lock(self, conn: Connection, parameters: dict[str, Any]) -> bool:
         """Lock a current lease in ``conn``'s transaction; whether it matched."""
