@@ -116,6 +116,13 @@ class DriverStatements:
             try:
                 cursor.execute(sql, parameters)
                 row = cursor.fetchone()
+            except dialect.loaded_dbapi.Error:
+                raise
+            except BaseException:
+                # interrupted mid-statement (an exit, a timeout of a green
+                # library): the connection's state is unknown, as Core judges it
+                connection.invalidate()
+                raise
             finally:
                 cursor.close()
         except dialect.loaded_dbapi.Error as error:

@@ -155,3 +155,34 @@ def test_a_statement_that_binds_a_value_of_its_own_is_refused() -> None:
     statement = sa.select(sa.literal(1, sa.Integer))
     with pytest.raises(ValueError, match="binds values of its own"):
         DriverStatements(engine, {"claim": statement, "complete": statement})
+
+
+class Stop(BaseException):
+    """Not an error of the driver: an exit, or a green library's timeout."""
+
+
+def test_a_statement_interrupted_mid_way_leaves_its_connection_out_of_the_pool(
+    store: SqlStore,
+) -> None:
+    import psycopg
+
+    class Interrupted(psycopg.Cursor[Any]):
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            raise Stop
+
+    used: list[Any] = []
+
+    def interrupting(dbapi_connection: Any, *_: Any) -> None:
+        dbapi_connection.cursor_factory = Interrupted
+        used.append(dbapi_connection)
+
+    pool = store.calls_engine.pool
+    event.listen(pool, "checkout", interrupting)
+    try:
+        with pytest.raises(Stop):
+            store.claim("job", A, 30)
+    finally:
+        event.remove(pool, "checkout", interrupting)
+    assert used
+    assert used[-1].closed
+    assert isinstance(store.claim("job", A, 30), Acquired)  # on a fresh connection
