@@ -14,6 +14,7 @@ is dropped: after a failover the next command reaches the new master.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -116,12 +117,16 @@ def sentinel_client(url: str, options: dict[str, Any]) -> tuple[redis.Redis, Sen
     }
     credentials = {"username": parsed.username, "password": parsed.password, "db": parsed.db}
     try:
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+        # called through Callable[..., Any]: redis-py before 8.2 leaves these
+        # untyped, and 8.2's types do not take the options as keywords
+        make_sentinel: Callable[..., Any] = Sentinel
+        sentinel: Sentinel = make_sentinel(
             parsed.sentinels,
             min_other_sentinels=min_other_sentinels,
             sentinel_kwargs=sentinel_options,
         )
-        client = sentinel.master_for(  # type: ignore[no-untyped-call]  # as above
+        master_for: Callable[..., Any] = sentinel.master_for
+        client: redis.Redis = master_for(
             master_name, redis_class=redis.Redis, **credentials, **options
         )
     except (ValueError, TypeError) as exc:
