@@ -313,14 +313,9 @@ class MysqlOperations(Operations):
     ) -> _Written | Refusal:
         """A write on the condition of renew: ``success`` when it applied,
         else the refusal that the record explains."""
-        job_id, owner, generation = (
-            parameters["p_job_id"],
-            parameters["p_owner"],
-            parameters["p_generation"],
-        )
         if self._applied(conn, statement, parameters):
-            return success(job_id, generation)
-        return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
+            return success(parameters["p_job_id"], parameters["p_generation"])
+        return self.refusal(conn, parameters)
 
     def complete(self, conn: Connection, parameters: dict[str, Any]) -> CompleteResult:
         return self._held_write(conn, self.statements.complete, parameters, Completed)

@@ -157,15 +157,12 @@ class Operations:
         )
 
     def renew(self, conn: Connection, parameters: dict[str, Any]) -> RenewResult:
-        job_id, owner, generation = (
-            parameters["p_job_id"],
-            parameters["p_owner"],
-            parameters["p_generation"],
-        )
         row = conn.execute(self.statements.renew, parameters).first()
         if row is None:
-            return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
-        return Renewed(job_id, generation, row.lease_until, row.renewed_at)
+            return self.refusal(conn, parameters)
+        return Renewed(
+            parameters["p_job_id"], parameters["p_generation"], row.lease_until, row.renewed_at
+        )
 
     def renew_many(self, conn: Connection, requests: Sequence[RenewRequest]) -> list[RenewResult]:
         """One UPDATE ... FROM (the batch as JSON rows) ... RETURNING.
@@ -226,14 +223,9 @@ class Operations:
         return bool(result.rowcount == 1)
 
     def release(self, conn: Connection, parameters: dict[str, Any]) -> ReleaseResult:
-        job_id, owner, generation = (
-            parameters["p_job_id"],
-            parameters["p_owner"],
-            parameters["p_generation"],
-        )
         if conn.execute(self.statements.release, parameters).first() is None:
-            return refusal_for(self.select_record(conn, job_id), job_id, owner, generation)
-        return Released(job_id, generation)
+            return self.refusal(conn, parameters)
+        return Released(parameters["p_job_id"], parameters["p_generation"])
 
     def force_release(self, conn: Connection, parameters: dict[str, Any]) -> LeaseRecord | None:
         row = conn.execute(self.statements.force_release, parameters).first()
