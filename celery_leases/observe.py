@@ -29,7 +29,7 @@ from typing import Any
 from celery_leases import events, signals
 from celery_leases.lease import Lease
 
-__all__ = ["connect", "lease_fields"]
+__all__ = ["connect", "lease_fields", "send"]
 
 logger = logging.getLogger("celery_leases.transitions")
 
@@ -40,6 +40,8 @@ _claims: weakref.WeakKeyDictionary[Lease, tuple[str | None, str | None]] = (
 )
 _lock = threading.Lock()
 _connected = False
+#: the receiver :func:`connect` put on each signal, by signal name
+_own: dict[str, Callable[..., None]] = {}
 
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
@@ -122,6 +124,34 @@ def _events_enabled(sender: Any) -> bool:
         return True  # emit() tries, and logs what went wrong
 
 
+def _knows_its_run(lease: Lease) -> bool:
+    """Whether ``lease`` carries its task id and hostname (a task's leases do)."""
+    return lease.task_id is not None and lease.hostname is not None
+
+
+def send(signal: Any, sender: Any, **named: Any) -> None:
+    """``signal.send(sender=sender, **named)``, unless nothing would come of it.
+
+    A send reaches no one but this module's receiver, which records nothing
+    when the ``celery_leases.transitions`` logger is off at the transition's
+    level and ``sender``'s app sends no task events: then the
+    send is skipped. Two such sends (claimed, completed) were a measurable
+    part of a trivial task's run. Any other receiver connected (metrics, the
+    broker visibility, a user's) and the signal is sent.
+    """
+    receivers = signal.receivers
+    if (
+        len(receivers) == 1
+        and receivers[0][1] is _own.get(signal.name)
+        and not logger.isEnabledFor(_LEVELS[signal.name])
+        and not _events_enabled(sender)
+    ):
+        lease = named.get("lease")
+        if lease is None or _knows_its_run(lease):
+            return
+    signal.send(sender=sender, **named)
+
+
 def _safe(receiver: Callable[..., None]) -> Callable[..., None]:
     def guarded(sender: Any = None, **kwargs: Any) -> None:
         try:
@@ -133,35 +163,48 @@ def _safe(receiver: Callable[..., None]) -> Callable[..., None]:
     return guarded
 
 
+#: the level of each signal's log line
+_LEVELS: dict[str, int] = {
+    "lease_claimed": logging.INFO,
+    "lease_renewed": logging.DEBUG,
+    "lease_completed": logging.INFO,
+    "lease_released": logging.INFO,
+    "lease_lost": logging.WARNING,
+    "lease_fenced_out": logging.WARNING,
+    "duplicate_deferred": logging.INFO,
+    "lease_skipped": logging.INFO,
+}
+
+
 def _claimed(sender: Any, lease: Lease, job_id: str, takeovers: int = 0, **_: Any) -> None:
-    if lease is not None and (lease.task_id is None or lease.hostname is None):
+    if lease is not None and not _knows_its_run(lease):
         request = getattr(sender, "request", None)
         with _lock:
             _claims[lease] = (getattr(request, "id", None), getattr(request, "hostname", None))
-    _record(sender, "claimed", events.LEASE_CLAIMED, logging.INFO, lease, job_id,
+    _record(sender, "claimed", events.LEASE_CLAIMED, _LEVELS["lease_claimed"], lease, job_id,
             takeovers=takeovers)  # fmt: skip
 
 
 def _renewed(sender: Any, lease: Lease, job_id: str, **_: Any) -> None:
-    _record(sender, "renewed", events.LEASE_RENEWED, logging.DEBUG, lease, job_id)
+    _record(sender, "renewed", events.LEASE_RENEWED, _LEVELS["lease_renewed"], lease, job_id)
 
 
 def _completed(sender: Any, lease: Lease, job_id: str, **_: Any) -> None:
-    _record(sender, "completed", events.LEASE_COMPLETED, logging.INFO, lease, job_id)
+    _record(sender, "completed", events.LEASE_COMPLETED, _LEVELS["lease_completed"], lease, job_id)
 
 
 def _released(sender: Any, lease: Lease, job_id: str, reason: str = "", **_: Any) -> None:
-    _record(sender, "released", events.LEASE_RELEASED, logging.INFO, lease, job_id,
+    _record(sender, "released", events.LEASE_RELEASED, _LEVELS["lease_released"], lease, job_id,
             reason=reason)  # fmt: skip
 
 
 def _lost(sender: Any, lease: Lease, job_id: str, reason: str | None = None, **_: Any) -> None:
-    _record(sender, "lost", events.LEASE_LOST, logging.WARNING, lease, job_id, reason=reason)
+    _record(sender, "lost", events.LEASE_LOST, _LEVELS["lease_lost"], lease, job_id, reason=reason)
 
 
 def _fenced_out(sender: Any, lease: Lease, job_id: str, reason: str = "", **_: Any) -> None:
-    _record(sender, "fenced-out", events.LEASE_FENCED_OUT, logging.WARNING, lease, job_id,
-            reason=reason)  # fmt: skip
+    _record(sender, "fenced-out", events.LEASE_FENCED_OUT, _LEVELS["lease_fenced_out"], lease,
+            job_id, reason=reason)  # fmt: skip
 
 
 def _deferred(
@@ -174,14 +217,14 @@ def _deferred(
     holder: str | None = None,
     **_: Any,
 ) -> None:
-    _record(sender, "deferred", events.LEASE_DEFERRED, logging.INFO, lease, job_id,
+    _record(sender, "deferred", events.LEASE_DEFERRED, _LEVELS["duplicate_deferred"], lease, job_id,
             reason=reason, countdown=countdown, deferrals=deferrals, holder=holder)  # fmt: skip
 
 
 def _skipped(
     sender: Any, job_id: str, generation: int | None = None, task_id: str | None = None, **_: Any
 ) -> None:
-    _record(sender, "skipped", events.LEASE_SKIPPED, logging.INFO, None, job_id,
+    _record(sender, "skipped", events.LEASE_SKIPPED, _LEVELS["lease_skipped"], None, job_id,
             task_id=task_id, generation=generation)  # fmt: skip
 
 
@@ -207,4 +250,5 @@ def connect() -> None:
         signal = getattr(signals, name, None)
         if signal is not None:
             uid = f"celery_leases.observe.{name}"
-            signal.connect(_safe(receiver), weak=False, dispatch_uid=uid)
+            _own[name] = _safe(receiver)
+            signal.connect(_own[name], weak=False, dispatch_uid=uid)

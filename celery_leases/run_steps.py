@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from celery.exceptions import Ignore
 from celery.states import READY_STATES
 
-from celery_leases import signals
+from celery_leases import observe, signals
 from celery_leases.errors import (
     LeaseError,
     LeaseHeld,
@@ -27,7 +27,7 @@ from celery_leases.errors import (
 from celery_leases.lease import Lease
 from celery_leases.outcome import decode, encode_value
 from celery_leases.publish import deferrals_of, publish_again
-from celery_leases.runtime import settings_for
+from celery_leases.runtime import TaskOptions, settings_for
 from celery_leases.stores.base import (
     AlreadyCompleted,
     Completed,
@@ -58,21 +58,25 @@ logger = logging.getLogger("celery_leases")
 UNKNOWN_COMPLETION = "completion-unknown"
 
 
-def outcome_options(task: Any) -> dict[str, Any]:
-    """How ``task``'s outcomes are encoded for the lease record."""
-    options = task.lease_options()
+def outcome_options(task: Any, options: TaskOptions | None = None) -> dict[str, Any]:
+    """How ``task``'s outcomes are encoded for the lease record (``options``:
+    the task's, when the caller has them at hand)."""
+    if options is None:
+        options = task.lease_options()
     return {"serializer": options.result_serializer, "max_bytes": options.result_max_bytes}
 
 
-def complete_run(task: Any, lease: Lease, value: object) -> CompleteResult | None:
-    """The completion after the body returned ``value``.
+def complete_run(
+    task: Any, lease: Lease, value: object, options: TaskOptions
+) -> CompleteResult | None:
+    """The completion after the body returned ``value``; ``options`` are the task's.
 
     A run that completed in its own transaction (``exactly_once``) is not
     completed again: the store already keeps its outcome.
     """
     if lease.completed_in_transaction:
         return Completed(lease.job_id, lease.generation)
-    return complete(task, lease, encode_value(value, **outcome_options(task)))
+    return complete(task, lease, encode_value(value, **outcome_options(task, options)))
 
 
 def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult | None:
@@ -159,7 +163,7 @@ def _give_up(task: Any, lease: Lease, reason: str) -> ReleaseResult | None:
         return None
     if isinstance(result, Released):
         lease.finish()
-        signals.lease_released.send(sender=task, lease=lease, job_id=lease.job_id, reason=reason)
+        observe.send(signals.lease_released, task, lease=lease, job_id=lease.job_id, reason=reason)
     return result
 
 

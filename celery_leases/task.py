@@ -32,7 +32,7 @@ from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_leases import signals
+from celery_leases import observe, signals
 from celery_leases.errors import LeaseConfigurationError, LeaseError, LeaseLost, StoreUnavailable
 from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease, make_owner
@@ -290,11 +290,11 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         push(run)
         heartbeat = process_heartbeat()
         heartbeat.add(lease)
-        signals.lease_claimed.send(
-            sender=self, lease=lease, job_id=job_id, takeovers=claim.takeovers
+        observe.send(
+            signals.lease_claimed, self, lease=lease, job_id=job_id, takeovers=claim.takeovers
         )
         try:
-            return self._run_body(run, args, kwargs)
+            return self._run_body(run, args, kwargs, options)
         finally:
             heartbeat.remove(lease)
             pop(run)
@@ -350,7 +350,9 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         self.__dict__["_lease_callback_pair"] = (mode, on_lost, on_renewed)
         return on_lost, on_renewed
 
-    def _run_body(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_body(
+        self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], options: TaskOptions
+    ) -> Any:
         lease, request = run.lease, run.request
         try:
             try:
@@ -380,13 +382,13 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return value
         if lease.lost and not lease.completed_in_transaction:
             fenced_out(self, lease, request, args, kwargs, lease.lost_reason)
-        result = complete_run(self, lease, value)
+        result = complete_run(self, lease, value, options)
         if result is None:
             fenced_out(self, lease, request, args, kwargs, UNKNOWN_COMPLETION)
         if isinstance(result, Refusal):
             lease.mark_lost(result.error("complete"))
             fenced_out(self, lease, request, args, kwargs, result.reason.value)
-        signals.lease_completed.send(sender=self, lease=lease, job_id=lease.job_id)
+        observe.send(signals.lease_completed, self, lease=lease, job_id=lease.job_id)
         return value
 
 

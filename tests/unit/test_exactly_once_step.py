@@ -7,6 +7,7 @@ import time
 from celery_leases import Acquired, Completed, LeaseState, MemoryStore
 from celery_leases.lease import Lease
 from celery_leases.run_steps import complete_run
+from celery_leases.runtime import TaskOptions
 from celery_leases.settings import LeaseTiming
 
 
@@ -29,7 +30,8 @@ def test_a_run_completed_in_its_transaction_is_not_completed_again() -> None:
     store = MemoryStore()
     lease = held_lease(store)
     lease.completed_in_transaction = True
-    result = complete_run(object(), lease, "value")
+    options = TaskOptions(lease.timing, "flag", None, 60.0, "json", 65536)
+    result = complete_run(object(), lease, "value", options)
     assert result == Completed("job", lease.generation)
     record = store.get("job")
     assert record is not None
