@@ -322,6 +322,9 @@ def process_heartbeat() -> Heartbeat:
     nor the right to renew the parent's leases.
     """
     global _process_heartbeat
+    heartbeat = _process_heartbeat  # the common case, without the lock
+    if heartbeat is not None and heartbeat.pid == os.getpid():
+        return heartbeat
     with _process_lock:
         if _process_heartbeat is None or _process_heartbeat.pid != os.getpid():
             _process_heartbeat = Heartbeat()

@@ -115,6 +115,9 @@ def store_for(app: Any) -> LeaseStore:
         LeaseConfigurationError: the URL or options are wrong.
     """
     runtime = _runtime(app)
+    store = runtime.store  # the common case, without the lock
+    if store is not None:
+        return store
     with _lock:
         if runtime.store is None:
             runtime.store = open_store(

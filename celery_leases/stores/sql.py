@@ -6,8 +6,9 @@ clock is never compared with a lease. What differs between the two
 databases (the clock, the upsert, how a JSON batch becomes rows, how
 transactions begin) lives in ``_Dialect`` (module ``sql_table``) and nowhere
 else; the statements are built in ``sql_statements``, the engine is
-prepared (hooks, timeouts) in ``sql_engine``, and driver errors are judged
-in ``sql_errors``.
+prepared (hooks, timeouts) in ``sql_engine``, driver errors are judged in
+``sql_errors``, and reading records, purging them and the calls made in a
+caller's transaction are ``sql_records``'s.
 
 PostgreSQL runs each statement in driver-level autocommit: an operation is
 one statement, so it is its own transaction and costs one round trip. A
@@ -25,21 +26,18 @@ record, see :meth:`LeaseStore.complete`), never a claim or a release.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine, RowMapping
-from sqlalchemy.sql.expression import ColumnElement
+from sqlalchemy.engine import Connection, Engine
 
-from celery_leases.errors import LeaseRecordUnreadable
 from celery_leases.stores.base import (
     Acquired,
     ClaimResult,
     Completed,
     CompleteResult,
     LeaseRecord,
-    LeaseState,
     LeaseStore,
     ReleaseResult,
     RenewRequest,
@@ -61,7 +59,8 @@ from celery_leases.stores.sql_engine import (
 from celery_leases.stores.sql_errors import DRIVER_ERRORS, lost_connection, store_error
 from celery_leases.stores.sql_mysql import MysqlOperations, _MysqlStatements
 from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
-from celery_leases.stores.sql_statements import _held_by, _Statements
+from celery_leases.stores.sql_records import SqlRecords
+from celery_leases.stores.sql_statements import _Statements
 from celery_leases.stores.sql_table import (
     _MYSQL,
     DEFAULT_TABLE_NAME,
@@ -88,9 +87,6 @@ __all__ = [
 #: lock (each), by default
 DEFAULT_TIMEOUT = 5.0
 
-#: rows per page when iterating over records
-RECORDS_PAGE_SIZE = 500
-
 _check_sqlite_version = check_sqlite_version
 
 # SqlStore's create_table flag shadows the function's name inside __init__
@@ -102,7 +98,7 @@ T = TypeVar("T")
 # --- the store ---------------------------------------------------------------
 
 
-class SqlStore(LeaseStore):
+class SqlStore(SqlRecords, LeaseStore):
     """Lease store in one table of a PostgreSQL or SQLite database.
 
     Args:
@@ -273,57 +269,7 @@ class SqlStore(LeaseStore):
                     error, *self._where, operation, job_id, owner, generation
                 ) from error
 
-    # -- fencing support ----------------------------------------------------
-
-    def lease_is_current_clause(
-        self, job_id: str, owner: str, generation: int
-    ) -> ColumnElement[bool]:
-        """A boolean SQL clause: ``owner`` holds ``job_id`` with ``generation``.
-
-        An ``EXISTS`` over the lease table, for use in the WHERE clause of a
-        write in the same transaction. True only while the record is held
-        (not released, not completed) by exactly that owner and generation.
-        It does not look at ``lease_until``: how time is judged is up to the
-        caller.
-        """
-        return sa.exists().where(_held_by(self.table, job_id, owner, generation))
-
-    def lock_in(self, conn: Connection, job_id: str, owner: str, generation: int) -> bool:
-        """Lock the record in ``conn``'s open transaction while ``owner``
-        holds ``job_id`` with ``generation`` and the lease has not run out
-        (by the database's clock); False when it does not.
-
-        ``conn`` is the caller's, on this store's database; its driver
-        errors pass through. The lock lasts until that transaction ends.
-        """
-        parameters = {"p_job_id": job_id, "p_owner": owner, "p_generation": generation}
-        return self._operations.lock(conn, parameters)
-
-    def complete_in(
-        self, conn: Connection, job_id: str, owner: str, generation: int, outcome: bytes | None
-    ) -> CompleteResult:
-        """The fenced completion, run in ``conn``'s open transaction: it
-        commits (or rolls back) with that transaction.
-
-        ``conn`` is the caller's, on this store's database; its driver
-        errors pass through.
-        """
-        parameters = {
-            "p_job_id": job_id,
-            "p_owner": owner,
-            "p_generation": generation,
-            "p_outcome": outcome,
-        }
-        return self._operations.complete(conn, parameters)
-
     # -- hooks --------------------------------------------------------------
-
-    def _now_ms(self) -> int:
-        def work() -> int:
-            with self._reader.connect() as conn:
-                return int(conn.execute(self._statements.now).scalar_one())
-
-        return self._call("now_ms", work, again=True)
 
     def _claim(
         self,
@@ -450,39 +396,3 @@ class SqlStore(LeaseStore):
                 return step(conn, *arguments)
             with conn.begin():
                 return step(conn, *arguments)
-
-    def _get(self, job_id: str) -> LeaseRecord | None:
-        def work() -> LeaseRecord | None:
-            with self._reader.connect() as conn:
-                return self._operations.select_record(conn, job_id)
-
-        return self._call("get", work, again=True, job_id=job_id)
-
-    def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
-        """Pages of RECORDS_PAGE_SIZE rows by job_id, each its own query."""
-        t = self.table
-        after: str | None = None
-        while True:
-            query = sa.select(t).order_by(t.c.job_id).limit(RECORDS_PAGE_SIZE)
-            if state is not None:
-                query = query.where(t.c.state == state.value)
-            if after is not None:
-                query = query.where(t.c.job_id > after)
-
-            def work(query: Any = query) -> list[RowMapping]:
-                with self._reader.connect() as conn:
-                    return [row._mapping for row in conn.execute(query)]
-
-            rows = self._call("records", work, again=True)
-            for row in rows:
-                yield self._operations.readable(row)
-            if len(rows) < RECORDS_PAGE_SIZE:
-                return
-            after = rows[-1]["job_id"]
-
-    def _purge(self, older_than_ms: int) -> int:
-        def work() -> int:
-            return self._in_write(self._operations.purge, older_than_ms)
-
-        # deleting what is old enough twice deletes it once
-        return self._call("purge", work, again=True)

@@ -38,7 +38,7 @@ from celery_leases import (
     StoreUnavailable,
     open_store,
 )
-from celery_leases.stores import sql
+from celery_leases.stores import sql, sql_records
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from celery_leases.stores.sql_engine import PING_AFTER_IDLE
 from tests.operations import every_operation
@@ -905,7 +905,7 @@ def test_claim_of_held_or_completed_job_adds_one_select(sql_store: SqlStore) -> 
 def test_records_are_paged_in_job_id_order(
     sql_store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sql, "RECORDS_PAGE_SIZE", 3)
+    monkeypatch.setattr(sql_records, "RECORDS_PAGE_SIZE", 3)
     leases = {f"job-{n:02}": _acquire(sql_store, f"job-{n:02}") for n in range(10)}
     for job_id in ("job-01", "job-04", "job-07"):
         sql_store.complete(job_id, A, leases[job_id].generation)
