@@ -48,6 +48,23 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
+@pytest.fixture(autouse=True)
+def only_own_receivers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lease signal with this library's log receiver alone on it.
+
+    Other tests of the same process may have installed the metrics or the
+    broker's visibility receivers, which are meant to make every send count.
+    """
+    observe.connect()
+    for name, own in observe._own.items():
+        signal = getattr(signals, name)
+        kept = [entry for entry in signal.receivers if entry[1] is own]
+        assert kept, f"{name} lost this library's receiver"
+        monkeypatch.setattr(signal, "receivers", kept)
+        signal.sender_receivers_cache.clear()
+        monkeypatch.setattr(signal, "sender_receivers_cache", {})
+
+
 @pytest.fixture
 def quiet_log() -> Iterator[None]:
     transitions = logging.getLogger("celery_leases.transitions")
