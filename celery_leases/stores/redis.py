@@ -54,7 +54,8 @@ from celery_leases.stores.redis_connections import (
     renewal_client,
     renews_outside_the_hub,
 )
-from celery_leases.stores.redis_errors import raise_wrapped
+from celery_leases.stores.redis_direct import DirectCalls
+from celery_leases.stores.redis_errors import DriverErrors
 from celery_leases.stores.redis_replies import (
     _describe,
     _escape_glob,
@@ -79,32 +80,6 @@ logger = logging.getLogger(__name__)
 
 #: Keys fetched per SCAN step and per pipelined HGETALL / purge batch.
 SCAN_BATCH = 500
-
-
-class _DriverErrors:
-    """The context of :meth:`RedisStore._errors` (a class: a generator-based
-    context manager costs a measurable part of a fast operation)."""
-
-    __slots__ = ("client", "job_id", "operation", "store")
-
-    def __init__(
-        self, store: RedisStore, operation: str, job_id: str | None, client: redis.Redis
-    ) -> None:
-        self.store = store
-        self.operation = operation
-        self.job_id = job_id
-        self.client = client
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
-        if exc is None:
-            if self.store._config_pending:
-                self.store._check_config(self.client)
-            return
-        store = self.store
-        raise_wrapped(exc, store.url, store.prefix, self.operation, self.job_id)
 
 
 # --- the store -------------------------------------------------------------
@@ -150,6 +125,7 @@ class RedisStore(RedisBatches, LeaseStore):
         #: the sentinels a sentinel:// URL named, closed with the store
         self._sentinel: Sentinel | None = None
         self._renews_outside_the_hub = renews_outside_the_hub(self._renew_client)
+        self._direct = DirectCalls(client)
         self._claim_script = Script(scripts.CLAIM_SCRIPT)
         self._renew_script = Script(scripts.RENEW_SCRIPT)
         self._renew_many_script = Script(scripts.RENEW_MANY_SCRIPT)
@@ -215,6 +191,7 @@ class RedisStore(RedisBatches, LeaseStore):
 
     def close(self) -> None:
         """Close the clients and their connection pools (and the sentinels')."""
+        self._direct.close()
         self._client.close()
         if self._renew_client is not self._client:
             self._renew_client.close()
@@ -229,7 +206,7 @@ class RedisStore(RedisBatches, LeaseStore):
 
     def _errors(
         self, operation: str, job_id: str | None = None, client: redis.Redis | None = None
-    ) -> _DriverErrors:
+    ) -> DriverErrors:
         """Wrap driver errors of ``operation`` (sent by ``client``, the task
         client by default) in :class:`StoreUnavailable`.
 
@@ -238,12 +215,21 @@ class RedisStore(RedisBatches, LeaseStore):
         server that is down costs one failed connection per operation, not
         two, and a renewal never waits for the tasks' pool.
         """
-        return _DriverErrors(self, operation, job_id, client or self._client)
+        return DriverErrors(self, operation, job_id, client or self._client)
 
     def _check_config(self, client: redis.Redis) -> None:
         """Warn when the server can lose lease records; see :class:`RedisStore`."""
+        if client is self._client:
+            client = self._shared_client()
         if config_warnings(client, self.url):
             self._config_pending = False
+
+    def _shared_client(self) -> redis.Redis:
+        """The task client, for a command that is not a script: the
+        connections the scripts keep go back to its pool first, so the
+        command finds one even in a pool of one."""
+        self._direct.give_back()
+        return self._client
 
     # -- scripts -------------------------------------------------------------
 
@@ -252,8 +238,16 @@ class RedisStore(RedisBatches, LeaseStore):
 
         A NOSCRIPT reply means the script did not run (the server's script
         cache was flushed, or this is another server), so sending it again
-        cannot apply it twice.
+        cannot apply it twice. On a plain client the script goes out on a
+        connection the store keeps (:mod:`~celery_leases.stores.redis_direct`).
         """
+        direct = self._direct
+        if direct.usable:
+            try:
+                return direct.command("EVALSHA", script.sha, 1, key, *args)
+            except NoScriptError:
+                script.sha = _text(direct.command("SCRIPT", "LOAD", script.source))
+                return direct.command("EVALSHA", script.sha, 1, key, *args)
         try:
             return self._client.evalsha(script.sha, 1, key, *args)
         except NoScriptError:
@@ -343,7 +337,7 @@ class RedisStore(RedisBatches, LeaseStore):
         with self._errors("get", job_id):
             key = self.key(job_id)
             try:
-                fields = self._client.hgetall(key)
+                fields = self._shared_client().hgetall(key)
             except ResponseError as exc:
                 if not str(exc).startswith("WRONGTYPE"):
                     raise
@@ -358,7 +352,7 @@ class RedisStore(RedisBatches, LeaseStore):
         seen: set[str] = set()
         cursor = 0
         while True:
-            next_cursor, keys = self._client.scan(cursor, match=pattern, count=SCAN_BATCH)
+            next_cursor, keys = self._shared_client().scan(cursor, match=pattern, count=SCAN_BATCH)
             cursor = int(next_cursor)
             batch = [k for k in (_text(key) for key in keys) if k not in seen]
             seen.update(batch)
@@ -373,7 +367,7 @@ class RedisStore(RedisBatches, LeaseStore):
     def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
         with self._errors("records"):
             for keys in self._scan_keys():
-                pipe = self._client.pipeline(transaction=False)
+                pipe = self._shared_client().pipeline(transaction=False)
                 for key in keys:
                     pipe.hgetall(key)
                 for key, fields in zip(keys, pipe.execute(raise_on_error=False), strict=True):
@@ -393,12 +387,11 @@ class RedisStore(RedisBatches, LeaseStore):
             deleted = 0
             for keys in self._scan_keys():
                 calls: list[Call] = [((key,), (older_than_ms,)) for key in keys]
-                deleted += sum(
-                    int(r) for r in self._run_batch(self._client, self._purge_one_script, calls)
-                )
+                replies = self._run_batch(self._shared_client(), self._purge_one_script, calls)
+                deleted += sum(int(r) for r in replies)
             return deleted
 
     def _now_ms(self) -> int:
         with self._errors("now_ms"):
-            seconds, microseconds = self._client.time()
+            seconds, microseconds = self._shared_client().time()
             return int(seconds) * 1000 + int(microseconds) // 1000

@@ -12,13 +12,15 @@ pool to enlarge.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.stores.redis_replies import _permanent
 
-__all__ = ["pool_exhausted", "raise_wrapped"]
+__all__ = ["DriverErrors", "pool_exhausted", "raise_wrapped"]
 
 #: What redis-py's BlockingConnectionPool raises when no connection came free in time.
 _NO_CONNECTION = "No connection available."
@@ -80,3 +82,29 @@ def _unavailable(
         "the outcome of this operation is unknown to the caller.",
         job_id=job_id,
     )
+
+
+class DriverErrors:
+    """Driver errors of one store call wrapped as :func:`raise_wrapped` does,
+    and the store's deferred configuration check after the first call that
+    worked (a class: a generator-based context manager costs a measurable
+    part of a fast operation)."""
+
+    __slots__ = ("client", "job_id", "operation", "store")
+
+    def __init__(self, store: Any, operation: str, job_id: str | None, client: redis.Redis) -> None:
+        self.store = store
+        self.operation = operation
+        self.job_id = job_id
+        self.client = client
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        if exc is None:
+            if self.store._config_pending:
+                self.store._check_config(self.client)
+            return
+        store = self.store
+        raise_wrapped(exc, store.url, store.prefix, self.operation, self.job_id)

@@ -197,6 +197,7 @@ def _holding_every_task_connection(store: RedisStore) -> Iterator[None]:
         pools = [node.redis_connection.connection_pool for node in client.get_nodes()]
     else:
         pools = [client.connection_pool]
+    store._direct.give_back()  # those tasks hold them, not the store between calls
     held = [(pool, pool.get_connection()) for pool in pools for _ in range(pool.max_connections)]
     try:
         yield

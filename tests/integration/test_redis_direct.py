@@ -1,0 +1,285 @@
+"""The Redis store's scripts on the connections it keeps (``stores/redis_direct.py``).
+
+Everything runs against a real redis-server; the faults come from the server
+itself (``CLIENT KILL``), from :class:`tests.proxy.Proxy`, from a real
+``SIGALRM`` and from a real ``fork``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import pytest
+import redis
+from redis.sentinel import Sentinel
+
+from celery_leases import Acquired, Completed, StoreUnavailable
+from celery_leases.stores.redis import RedisStore
+from celery_leases.stores.redis_direct import DirectCalls
+from tests.proxy import Proxy
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+OWNER = "worker-a"
+
+
+@pytest.fixture
+def store(redis_server: RedisServer, unique: str) -> Iterator[RedisStore]:
+    with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:") as opened:
+        yield opened
+
+
+@pytest.fixture
+def raw(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+def _claim_and_complete(store: RedisStore, job_id: str) -> int:
+    held = store.claim(job_id, OWNER, 30)
+    assert isinstance(held, Acquired), held
+    assert store.complete(job_id, OWNER, held.generation) == Completed(job_id, held.generation)
+    return held.generation
+
+
+def _claimed_on_its_own_reply(store: RedisStore, job_id: str) -> None:
+    """A claim of a new job is acquired, with the generation its record holds."""
+    held = store.claim(job_id, OWNER, 30)
+    assert isinstance(held, Acquired), held
+    record = store.get(job_id)
+    assert record is not None
+    assert record.generation == held.generation
+
+
+def _counting(pool: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often ``pool`` is asked for a connection and given one back."""
+    calls = {"get_connection": 0, "release": 0}
+    for name in calls:
+        real = getattr(pool, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(pool, name, spy)
+    return calls
+
+
+def test_claims_and_completions_go_out_without_a_pool_checkout(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _claim_and_complete(store, "warm-up")  # loads the scripts, takes one connection
+    calls = _counting(store._client.connection_pool, monkeypatch)
+    for n in range(20):
+        _claim_and_complete(store, f"job-{n}")
+    assert calls == {"get_connection": 0, "release": 0}
+
+
+def test_a_connection_the_server_closed_is_replaced_before_the_script_is_sent(
+    store: RedisStore, raw: redis.Redis
+) -> None:
+    _claim_and_complete(store, "warm-up")
+    own_id = store._direct.command("CLIENT", "ID")
+    assert raw.client_kill_filter(_id=own_id) == 1
+    deadline = time.monotonic() + 10
+    while raw.client_list() and any(int(c["id"]) == own_id for c in raw.client_list()):
+        assert time.monotonic() < deadline, "the server did not close the connection"
+        time.sleep(0.01)
+    # the kept connection is dead: the claim must not be an outage
+    held = store.claim("after-kill", OWNER, 30)
+    assert isinstance(held, Acquired)
+    assert store._direct.command("CLIENT", "ID") != own_id
+
+
+def test_a_late_reply_is_never_read_as_the_next_commands(
+    redis_server: RedisServer, unique: str
+) -> None:
+    with (
+        Proxy("127.0.0.1", redis_server.port) as proxy,
+        RedisStore.from_url(
+            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", socket_timeout=0.5
+        ) as store,
+    ):
+        _claim_and_complete(store, "warm-up")
+        proxy.delay(1.5)  # the reply comes after the client gave up
+        with pytest.raises(StoreUnavailable):
+            store.claim("slow", OWNER, 30)
+        time.sleep(2.0)  # the late reply has reached the client's socket by now
+        proxy.heal()
+        _claimed_on_its_own_reply(store, "next")
+
+
+def test_an_interrupted_read_leaves_its_connection_unused(
+    redis_server: RedisServer, unique: str
+) -> None:
+    class Interrupted(BaseException):
+        pass
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise Interrupted
+
+    with (
+        Proxy("127.0.0.1", redis_server.port) as proxy,
+        RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:") as store,
+    ):
+        _claim_and_complete(store, "warm-up")
+        before = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            proxy.delay(1.0)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)  # fires while the reply is held back
+            with pytest.raises(Interrupted):
+                store.claim("interrupted", OWNER, 30)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+        time.sleep(1.5)  # the held reply arrives on the interrupted connection
+        proxy.heal()
+        again = store.claim("interrupted", OWNER, 30)
+        # the interrupted claim was applied by the server; a fresh reply says
+        # so, a stale one would have said Acquired
+        assert not isinstance(again, Acquired)
+        _claimed_on_its_own_reply(store, "other")
+
+
+def test_an_interrupt_between_sending_and_reading_leaves_the_reply_unread(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Interrupted(BaseException):
+        pass
+
+    assert isinstance(store.claim("held", "worker-b", 30), Acquired)
+    _claim_and_complete(store, "warm-up")
+    (kept,) = store._direct._free
+
+    def interrupted(*_: Any, **__: Any) -> Any:
+        monkeypatch.undo()
+        raise Interrupted  # as a signal handler would, before any byte is read
+
+    monkeypatch.setattr(kept, "read_response", interrupted)
+    with pytest.raises(Interrupted):
+        store.claim("held", OWNER, 30)  # its reply would say "held elsewhere"
+    assert isinstance(store.claim("free", OWNER, 30), Acquired)
+
+
+def test_a_pool_of_one_serves_reads_between_scripts(redis_server: RedisServer, unique: str) -> None:
+    with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:", max_connections=1) as store:
+        for n in range(3):
+            _claim_and_complete(store, f"job-{n}")
+            assert store.get(f"job-{n}") is not None
+            assert len(list(store.records())) == n + 1
+        assert store.now_ms() > 0
+
+
+def test_a_wrapped_execute_command_sees_every_script(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+    real = redis.Redis.execute_command
+
+    @functools.wraps(real)
+    def traced(self: redis.Redis, *args: Any, **options: Any) -> Any:
+        seen.append(str(args[0]))
+        return real(self, *args, **options)
+
+    monkeypatch.setattr(redis.Redis, "execute_command", traced)
+    _claim_and_complete(store, "traced")
+    assert seen.count("EVALSHA") == 2
+
+
+def test_a_replaced_execute_command_sees_every_script(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+    real = redis.Redis.execute_command
+
+    def patched(self: redis.Redis, *args: Any, **options: Any) -> Any:
+        seen.append(str(args[0]))
+        return real(self, *args, **options)
+
+    monkeypatch.setattr(redis.Redis, "execute_command", patched)
+    _claim_and_complete(store, "patched")
+    monkeypatch.undo()
+    on_the_instance: list[str] = []
+
+    def instance_patch(*args: Any, **options: Any) -> Any:
+        on_the_instance.append(str(args[0]))
+        return real(store._client, *args, **options)
+
+    monkeypatch.setattr(store._client, "execute_command", instance_patch)
+    _claim_and_complete(store, "patched-instance")
+    assert seen.count("EVALSHA") == 2
+    assert on_the_instance.count("EVALSHA") == 2
+
+
+def test_a_forked_child_never_uses_its_parents_connections(store: RedisStore) -> None:
+    _claim_and_complete(store, "warm-up")
+    parent_id = store._direct.command("CLIENT", "ID")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.close(read)
+            _claim_and_complete(store, "in-the-child")
+            child_id = store._direct.command("CLIENT", "ID")
+            os.write(write, str(child_id).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child_id = int(pipe.read() or "0")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_id not in (0, parent_id)
+    assert store._direct.command("CLIENT", "ID") == parent_id
+    _claim_and_complete(store, "in-the-parent")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: redis.Redis.from_url("rediss://127.0.0.1:1/0"), id="tls"),
+        pytest.param(
+            lambda: Sentinel([("127.0.0.1", 1)]).master_for("leases"),  # type: ignore[no-untyped-call]
+            id="sentinel",
+        ),
+        pytest.param(
+            lambda: redis.Redis(
+                connection_pool=redis.BlockingConnectionPool.from_url("redis://127.0.0.1:1/0")
+            ),
+            id="blocking-pool",
+        ),
+    ],
+)
+def test_other_clients_send_through_redis_py(make: Any) -> None:
+    client = make()
+    try:
+        assert not DirectCalls(client).usable
+    finally:
+        client.close()
+
+
+def test_a_single_connection_client_sends_through_redis_py(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url, single_connection_client=True)
+    try:
+        assert not DirectCalls(client).usable
+    finally:
+        client.close()
+
+
+def test_a_plain_client_of_tcp_or_unix_sockets_goes_direct() -> None:
+    for url in ("redis://127.0.0.1:1/0", "unix:///tmp/no-such-redis.sock"):
+        client = redis.Redis.from_url(url)
+        try:
+            assert DirectCalls(client).usable, url
+        finally:
+            client.close()
