@@ -149,14 +149,20 @@ class DirectCalls:
             conn = self._free.pop()
         except IndexError:
             return self._pool.get_connection()  # the pool's own checks, counted by it
-        sock = getattr(conn, "_sock", None)
-        if sock is None:
-            conn.connect()
-        elif _stale(sock):
-            # closed by the server (a restart, an idle timeout) or left with
-            # data: start again, as the pool would, before sending anything
-            conn.disconnect()
-            conn.connect()
+        try:
+            sock = getattr(conn, "_sock", None)
+            if sock is None:
+                conn.connect()
+            elif _stale(sock):
+                # closed by the server (a restart, an idle timeout) or left
+                # with data: start again, as the pool would, before sending
+                conn.disconnect()
+                conn.connect()
+        except BaseException:
+            # the server is down: keep the connection (the pool counts it)
+            # for the next try rather than lose it
+            self._free.append(conn)
+            raise
         return conn
 
     def _forget_the_parents(self) -> None:

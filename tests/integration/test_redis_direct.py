@@ -283,3 +283,23 @@ def test_a_plain_client_of_tcp_or_unix_sockets_goes_direct() -> None:
             assert DirectCalls(client).usable, url
         finally:
             client.close()
+
+
+def test_calls_while_the_server_is_down_lose_no_connection_of_the_pool(
+    redis_server: RedisServer, unique: str
+) -> None:
+    with (
+        Proxy("127.0.0.1", redis_server.port) as proxy,
+        RedisStore.from_url(
+            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", max_connections=1
+        ) as store,
+    ):
+        _claim_and_complete(store, "warm-up")
+        proxy.refuse()  # closes the kept connection and every new one
+        for n in range(5):
+            with pytest.raises(StoreUnavailable) as caught:
+                store.claim(f"down-{n}", OWNER, 30)
+            assert "every connection" not in str(caught.value)
+        proxy.heal()
+        _claimed_on_its_own_reply(store, "back")
+        assert store.get("back") is not None
