@@ -125,7 +125,8 @@ class RedisStore(RedisBatches, LeaseStore):
         #: the sentinels a sentinel:// URL named, closed with the store
         self._sentinel: Sentinel | None = None
         self._renews_outside_the_hub = renews_outside_the_hub(self._renew_client)
-        self._direct = DirectCalls(client)
+        #: nothing is sent directly on a client the store was given
+        self._direct = DirectCalls()
         self._claim_script = Script(scripts.CLAIM_SCRIPT)
         self._renew_script = Script(scripts.RENEW_SCRIPT)
         self._renew_many_script = Script(scripts.RENEW_MANY_SCRIPT)
@@ -179,6 +180,7 @@ class RedisStore(RedisBatches, LeaseStore):
         )
         store.url = shown
         store._sentinel = sentinel
+        store._direct = DirectCalls(client)  # the store's own client
         store._config_pending = check_config
         if check_config:
             store._check_config(client)
@@ -191,7 +193,7 @@ class RedisStore(RedisBatches, LeaseStore):
 
     def close(self) -> None:
         """Close the clients and their connection pools (and the sentinels')."""
-        self._direct.close()
+        self._direct.give_back()
         self._client.close()
         if self._renew_client is not self._client:
             self._renew_client.close()
@@ -248,6 +250,7 @@ class RedisStore(RedisBatches, LeaseStore):
             except NoScriptError:
                 script.sha = _text(direct.command("SCRIPT", "LOAD", script.source))
                 return direct.command("EVALSHA", script.sha, 1, key, *args)
+        direct.give_back()  # kept while the direct path was usable
         try:
             return self._client.evalsha(script.sha, 1, key, *args)
         except NoScriptError:

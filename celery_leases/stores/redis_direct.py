@@ -27,13 +27,25 @@ promises is kept:
   back to the pool first (:meth:`DirectCalls.give_back`), so it finds one
   even in a pool of one.
 
-It is used only where no one else would see the difference: a plain
-``redis.Redis`` client whose ``execute_command`` nobody replaced or wrapped
-(tracing instrumentation does), while redis-py's own metrics are off, with a plain
-``ConnectionPool`` without a client-side cache, and TCP or Unix sockets of
-the standard library (not TLS; not under gevent or eventlet monkey-patching,
-whose sockets wait in the hub). Any other client sends its scripts through
-``execute_command``, as before.
+It is used only where no one else would see the difference, and so only on
+a client the store made itself from a URL (a client you pass in may be
+shared with your code, another store or the renewals), and only while:
+
+- the client is a plain ``redis.Redis`` on a plain ``ConnectionPool`` of
+  TCP or Unix sockets of the standard library (not TLS, no client-side
+  cache, not under gevent or eventlet monkey-patching, whose sockets wait in
+  the hub);
+- every connection option is one this module knows the meaning of (see
+  :data:`KNOWN_OPTIONS`), commands are never retried, and the protocol is
+  RESP2: a retry policy, RESP3's maintenance notifications or a credential
+  provider that re-authenticates connections need redis-py's own path;
+- nobody replaced or wrapped the client's command methods or the
+  connection's send and read methods (tracing instrumentation does), and
+  redis-py's own metrics are off.
+
+Any other client, and these clients whenever one of those stops holding,
+send their scripts through ``execute_command`` as before, after the kept
+connections went back to the pool.
 """
 
 from __future__ import annotations
@@ -56,69 +68,105 @@ except ImportError:  # pragma: no cover - older redis-py records nothing
         return False
 
 
-__all__ = ["DirectCalls"]
+__all__ = ["KNOWN_OPTIONS", "DirectCalls"]
+
+#: the connection options (``connection_pool.connection_kwargs``) whose
+#: meaning the direct path keeps: the address and the database, credentials
+#: given as such, timeouts and keepalive, decoding, names, health checks, and
+#: what redis-py adds to every pool of its own (maintenance notifications stay
+#: off on RESP2)
+KNOWN_OPTIONS = frozenset(
+    {
+        "host", "port", "path", "db", "username", "password", "client_name",
+        "lib_name", "lib_version", "socket_timeout", "socket_connect_timeout",
+        "socket_keepalive", "socket_keepalive_options", "socket_type",
+        "socket_read_size", "encoding", "encoding_errors", "decode_responses",
+        "health_check_interval", "retry", "retry_on_timeout", "retry_on_error",
+        "protocol", "himport_registry", "maint_notifications_pool_handler",
+        "maint_notifications_config", "orig_host_address", "orig_socket_timeout",
+        "orig_socket_connect_timeout",
+    }
+)  # fmt: skip
 
 #: the connection classes whose sockets are the standard library's
 _PLAIN_CONNECTIONS = (redis.Connection, redis.UnixDomainSocketConnection)
 #: what poll() answers for a connection that must not be used as it is
 _STALE = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP | select.POLLNVAL
-#: the last ``execute_command`` found to be redis-py's own, unwrapped
-_plain_execute: Any = None
+#: the methods a tracer wraps: the client's, then the connection's
+_CLIENT_METHODS = ("execute_command", "evalsha")
+_CONNECTION_METHODS = ("pack_command", "send_packed_command", "send_command", "read_response")
 
 
-def _own_execute(execute: Any) -> bool:
-    """Whether ``execute`` is redis-py's ``Redis.execute_command`` as shipped:
-    not replaced (a patch names another function) nor wrapped (a wrapper
-    keeps the name and adds ``__wrapped__``)."""
-    global _plain_execute
-    if execute is _plain_execute:
-        return True
-    plain = (
-        getattr(execute, "__module__", None) == "redis.client"
-        and getattr(execute, "__qualname__", None) == "Redis.execute_command"
-        and not hasattr(execute, "__wrapped__")
-    )
-    if plain:
-        _plain_execute = execute
-    return plain
+def _as_shipped(method: Any) -> bool:
+    """Whether ``method`` is redis-py's own: not replaced (a patch is a function
+    of another module) nor wrapped (a wrapper adds ``__wrapped__``)."""
+    module = getattr(method, "__module__", None) or ""
+    return module.startswith("redis.") and not hasattr(method, "__wrapped__")
+
+
+def _never_retries(options: dict[str, Any]) -> bool:
+    retry = options.get("retry")
+    return retry is not None and retry.get_retries() == 0
 
 
 def _plain_client(client: Any) -> bool:
     """Whether ``client`` is redis-py's plain client on a plain pool of
-    standard-library TCP or Unix sockets."""
+    standard-library sockets, with options whose meaning the direct path keeps."""
     pool = getattr(client, "connection_pool", None)
+    if (
+        type(client) is not redis.Redis
+        or type(pool) is not redis.ConnectionPool
+        or getattr(client, "connection", None) is not None  # a single-connection client
+        or getattr(pool, "cache", None) is not None
+        or pool.connection_class not in _PLAIN_CONNECTIONS
+        or unpatched.green_library() is not None
+    ):
+        return False
+    options = pool.connection_kwargs
     return (
-        type(client) is redis.Redis
-        and type(pool) is redis.ConnectionPool
-        and getattr(client, "connection", None) is None  # not a single-connection client
-        and getattr(pool, "cache", None) is None
-        and pool.connection_class in _PLAIN_CONNECTIONS
-        and unpatched.green_library() is None
+        set(options) <= KNOWN_OPTIONS
+        and _never_retries(options)
+        and options.get("protocol") in (None, 2, "2")
     )
 
 
 class DirectCalls:
-    """Commands on a store client's connections, kept between calls."""
+    """Commands on a store client's connections, kept between calls.
 
-    __slots__ = ("_client", "_free", "_pid", "_plain", "_pool")
+    ``client`` is the store's own (made from a URL), or None for a store
+    over a client it was given: then nothing goes this way.
+    """
 
-    def __init__(self, client: Any) -> None:
+    __slots__ = ("_client", "_free", "_methods", "_pid", "_plain", "_pool")
+
+    def __init__(self, client: Any = None) -> None:
         self._client = client
         self._pool: Any = getattr(client, "connection_pool", None)
         self._free: list[Any] = []
         self._pid = os.getpid()
-        self._plain = _plain_client(client)
+        self._plain = client is not None and _plain_client(client)
+        #: the methods last found to be redis-py's own
+        self._methods: tuple[Any, ...] = ()
 
     @property
     def usable(self) -> bool:
         """Whether commands go out this way now (asked before every call: a
-        tracer may wrap ``execute_command`` or turn metrics on at any time)."""
-        return (
-            self._plain
-            and _own_execute(redis.Redis.execute_command)
-            and "execute_command" not in vars(self._client)
-            and not _redis_metrics_on()
+        tracer may wrap a method or turn metrics on at any time)."""
+        if not self._plain or _redis_metrics_on():
+            return False
+        patched = vars(self._client)
+        if any(name in patched for name in _CLIENT_METHODS):
+            return False
+        connection_class = self._pool.connection_class
+        methods = tuple(getattr(redis.Redis, name) for name in _CLIENT_METHODS) + tuple(
+            getattr(connection_class, name) for name in _CONNECTION_METHODS
         )
+        if methods == self._methods:
+            return True
+        if not all(_as_shipped(method) for method in methods):
+            return False
+        self._methods = methods
+        return True
 
     def command(self, *args: Any) -> Any:
         """Send one command (``"EVALSHA", sha, 1, key, ...``) and read its
@@ -173,6 +221,8 @@ class DirectCalls:
 
     def give_back(self) -> None:
         """Return the kept connections to the client's pool."""
+        if not self._free:
+            return
         self._forget_the_parents()
         while True:
             try:
@@ -180,10 +230,6 @@ class DirectCalls:
             except IndexError:
                 return
             self._pool.release(conn)
-
-    def close(self) -> None:
-        """Forget the kept connections (closing the client's pool closes them)."""
-        self._free = []
 
 
 def _stale(sock: socket.socket) -> bool:

@@ -17,10 +17,16 @@ from typing import Any
 
 import pytest
 import redis
+import redis.commands.core
+from redis.backoff import NoBackoff
+from redis.credentials import UsernamePasswordCredentialProvider
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from celery_leases import Acquired, Completed, StoreUnavailable
+from celery_leases.stores.base import RenewRequest
 from celery_leases.stores.redis import RedisStore
+from celery_leases.stores.redis_connections import client_options
 from celery_leases.stores.redis_direct import DirectCalls
 from tests.proxy import Proxy
 from tests.servers import RedisServer
@@ -278,7 +284,7 @@ def test_a_single_connection_client_sends_through_redis_py(redis_server: RedisSe
 
 def test_a_plain_client_of_tcp_or_unix_sockets_goes_direct() -> None:
     for url in ("redis://127.0.0.1:1/0", "unix:///tmp/no-such-redis.sock"):
-        client = redis.Redis.from_url(url)
+        client = redis.Redis.from_url(url, **client_options({}))
         try:
             assert DirectCalls(client).usable, url
         finally:
@@ -303,3 +309,97 @@ def test_calls_while_the_server_is_down_lose_no_connection_of_the_pool(
         proxy.heal()
         _claimed_on_its_own_reply(store, "back")
         assert store.get("back") is not None
+
+
+# --- clients the store did not make, and options it does not know ------------------
+
+
+def test_a_client_given_to_the_store_is_shared_as_redis_py_shares_it(
+    redis_server: RedisServer, unique: str
+) -> None:
+    client = redis.Redis.from_url(redis_server.url, max_connections=1, **client_options({}))
+    try:
+        first = RedisStore(client, prefix=f"a{unique}:", check_config=False)
+        second = RedisStore(client, prefix=f"b{unique}:", check_config=False, renew_client=client)
+        held = second.claim("job", OWNER, 30)
+        assert isinstance(held, Acquired)
+        _claim_and_complete(first, "job")
+        assert client.set(f"a{unique}:your-key", 1)  # your own command between two scripts
+        (renewed,) = second.renew_many([RenewRequest("job", OWNER, held.generation, 30)])
+        assert type(renewed).__name__ == "Renewed", renewed
+        first.close()
+        assert client.ping()  # closing a store leaves your pool as it was
+    finally:
+        client.close()
+
+
+def test_a_store_used_again_after_close_finds_its_pool_whole(
+    redis_server: RedisServer, unique: str
+) -> None:
+    store = RedisStore.from_url(redis_server.url, prefix=f"d{unique}:", max_connections=1)
+    _claim_and_complete(store, "before-close")
+    store.close()
+    _claim_and_complete(store, "after-close")
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"retry": Retry(NoBackoff(), 2)}, id="retries"),
+        pytest.param({"protocol": 3}, id="resp3"),
+        pytest.param(
+            {"credential_provider": UsernamePasswordCredentialProvider("default", "")},
+            id="credential-provider",
+        ),
+    ],
+)
+def test_options_whose_meaning_needs_redis_py_keep_its_path(
+    redis_server: RedisServer, unique: str, options: dict[str, Any]
+) -> None:
+    with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:", **options) as store:
+        assert not store._direct.usable
+        _claim_and_complete(store, "job")
+
+
+def test_a_retry_policy_given_in_the_options_is_followed(
+    redis_server: RedisServer, unique: str
+) -> None:
+    with (
+        Proxy("127.0.0.1", redis_server.port) as proxy,
+        RedisStore.from_url(
+            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", retry=Retry(NoBackoff(), 2)
+        ) as store,
+    ):
+        held = store.claim("job", OWNER, 30)
+        assert isinstance(held, Acquired)
+        proxy.drop_next_reply()  # the renewal is applied, its reply lost: sent again
+        renewed = store.renew("job", OWNER, held.generation, 30)
+        assert type(renewed).__name__ == "Renewed", renewed
+
+
+def test_a_tracer_of_command_methods_or_connections_sees_every_script(
+    redis_server: RedisServer, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+
+    def tracing(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        @functools.wraps(real)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            seen.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, traced)
+
+    with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:", max_connections=1) as store:
+        _claim_and_complete(store, "before")  # a connection is kept now
+        tracing(redis.commands.core.CoreCommands, "evalsha")
+        _claim_and_complete(store, "evalsha-traced")
+        assert seen.count("evalsha") == 2
+        monkeypatch.undo()
+        _claim_and_complete(store, "untraced")  # direct again: keeps a connection
+        tracing(redis.Connection, "send_command")
+        _claim_and_complete(store, "connection-traced")
+        assert seen.count("send_command") == 2
