@@ -7,6 +7,7 @@ itself (``CLIENT KILL``), from :class:`tests.proxy.Proxy`, from a real
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -54,6 +55,20 @@ def _claim_and_complete(store: RedisStore, job_id: str) -> int:
     assert isinstance(held, Acquired), held
     assert store.complete(job_id, OWNER, held.generation) == Completed(job_id, held.generation)
     return held.generation
+
+
+@contextlib.contextmanager
+def _behind_a_proxy(
+    server: RedisServer, unique: str, **options: Any
+) -> Iterator[tuple[Proxy, RedisStore]]:
+    """A store opened from a URL whose connections pass a :class:`Proxy`."""
+    with (
+        Proxy("127.0.0.1", server.port) as proxy,
+        RedisStore.from_url(
+            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", **options
+        ) as store,
+    ):
+        yield proxy, store
 
 
 def _claimed_on_its_own_reply(store: RedisStore, job_id: str) -> None:
@@ -108,12 +123,7 @@ def test_a_connection_the_server_closed_is_replaced_before_the_script_is_sent(
 def test_a_late_reply_is_never_read_as_the_next_commands(
     redis_server: RedisServer, unique: str
 ) -> None:
-    with (
-        Proxy("127.0.0.1", redis_server.port) as proxy,
-        RedisStore.from_url(
-            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", socket_timeout=0.5
-        ) as store,
-    ):
+    with _behind_a_proxy(redis_server, unique, socket_timeout=0.5) as (proxy, store):
         _claim_and_complete(store, "warm-up")
         proxy.delay(1.5)  # the reply comes after the client gave up
         with pytest.raises(StoreUnavailable):
@@ -132,10 +142,7 @@ def test_an_interrupted_read_leaves_its_connection_unused(
     def interrupt(_signum: int, _frame: FrameType | None) -> None:
         raise Interrupted
 
-    with (
-        Proxy("127.0.0.1", redis_server.port) as proxy,
-        RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:") as store,
-    ):
+    with _behind_a_proxy(redis_server, unique) as (proxy, store):
         _claim_and_complete(store, "warm-up")
         before = signal.signal(signal.SIGALRM, interrupt)
         try:
@@ -294,12 +301,7 @@ def test_a_plain_client_of_tcp_or_unix_sockets_goes_direct() -> None:
 def test_calls_while_the_server_is_down_lose_no_connection_of_the_pool(
     redis_server: RedisServer, unique: str
 ) -> None:
-    with (
-        Proxy("127.0.0.1", redis_server.port) as proxy,
-        RedisStore.from_url(
-            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", max_connections=1
-        ) as store,
-    ):
+    with _behind_a_proxy(redis_server, unique, max_connections=1) as (proxy, store):
         _claim_and_complete(store, "warm-up")
         proxy.refuse()  # closes the kept connection and every new one
         for n in range(5):
