@@ -367,12 +367,7 @@ def test_options_whose_meaning_needs_redis_py_keep_its_path(
 def test_a_retry_policy_given_in_the_options_is_followed(
     redis_server: RedisServer, unique: str
 ) -> None:
-    with (
-        Proxy("127.0.0.1", redis_server.port) as proxy,
-        RedisStore.from_url(
-            f"redis://127.0.0.1:{proxy.port}/0", prefix=f"d{unique}:", retry=Retry(NoBackoff(), 2)
-        ) as store,
-    ):
+    with _behind_a_proxy(redis_server, unique, retry=Retry(NoBackoff(), 2)) as (proxy, store):
         held = store.claim("job", OWNER, 30)
         assert isinstance(held, Acquired)
         proxy.drop_next_reply()  # the renewal is applied, its reply lost: sent again
