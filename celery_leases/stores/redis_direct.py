@@ -154,15 +154,30 @@ class DirectCalls:
         tracer may wrap a method or turn metrics on at any time)."""
         if not self._plain or _redis_metrics_on():
             return False
-        patched = vars(self._client)
-        if any(name in patched for name in _CLIENT_METHODS):
+        patched = self._client.__dict__
+        if "execute_command" in patched or "evalsha" in patched:
             return False
-        connection_class = self._pool.connection_class
+        known = self._methods
+        if known:
+            connection = self._pool.connection_class
+            if (
+                redis.Redis.execute_command is known[0]
+                and redis.Redis.evalsha is known[1]
+                and connection.pack_command is known[2]
+                and connection.send_packed_command is known[3]
+                and connection.send_command is known[4]
+                and connection.read_response is known[5]
+            ):
+                return True
+        return self._as_shipped()
+
+    def _as_shipped(self) -> bool:
+        """Whether the client's and the connection's methods are redis-py's own
+        now; remembered when they are."""
+        connection = self._pool.connection_class
         methods = tuple(getattr(redis.Redis, name) for name in _CLIENT_METHODS) + tuple(
-            getattr(connection_class, name) for name in _CONNECTION_METHODS
+            getattr(connection, name) for name in _CONNECTION_METHODS
         )
-        if methods == self._methods:
-            return True
         if not all(_as_shipped(method) for method in methods):
             return False
         self._methods = methods
