@@ -12,10 +12,14 @@ its throughput over plain Celery's in that repetition, and the table shows
 the median ratio over the repetitions and its spread. Throughput is timed
 from the first to the last result the backend holds (worker start-up is
 left out). Worker CPU per task comes from ``/proc`` (the worker and its pool
-children) over the same stretch. Store round trips per task come from a
-separate, untimed run per kind and workload (solo pool) with ``MONITOR`` on
-the store: commands sent by clients, not those a Lua script runs inside, are
-the round trips; ``INFO commandstats`` of the timed runs gives all commands
+children) over the same stretch, and so does the CPU of the two
+redis-servers (the broker and result backend's, and the Redis store's; a
+PostgreSQL or SQLite store's own work is not in it): on two cores the
+servers' work per task takes its share of the CPU everyone else needs.
+Store round trips per task come from a separate, untimed run per kind and
+workload (solo pool) with ``MONITOR`` on the store: commands sent by
+clients, not those a Lua script runs inside, are the round trips; ``INFO
+commandstats`` of the timed runs gives all commands
 per task. It writes the Markdown table and a PNG plot into ``docs/``.
 """
 
@@ -78,6 +82,8 @@ class Result:
     commands_per_task: float | None
     load: float
     error: str = ""
+    #: CPU of the broker's and the Redis store's redis-server, ms per task
+    redis_cpu_ms_per_task: float | None = None
 
 
 @dataclass
@@ -87,6 +93,10 @@ class Servers:
     postgres: Any
     sqlite_dir: Path
 
+    def redis_cpu_seconds(self) -> float:
+        """CPU seconds so far of the broker's and the store's redis-server."""
+        return sum(_process_cpu_seconds(server.proc.pid) for server in (self.broker, self.store))
+
     def store_url(self, kind: str) -> str:
         if kind in ("leases-postgres", "floor-postgres"):
             return str(self.postgres.url)
@@ -95,6 +105,13 @@ class Servers:
         if kind == "floor-sqlite":
             return f"sqlite:///{self.sqlite_dir / 'floor.db'}"
         return str(self.store.url)
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all its threads) of one process."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 def _group_cpu_seconds(pgid: int) -> float:
@@ -170,8 +187,9 @@ async def _apush(task: Any, tasks: int) -> None:
 def _run(
     servers: Servers, kind: str, workload: str, pool: str, concurrency: int,
     tasks: int, ttl: float, log_dir: Path, monitor: bool = False, profile: Path | None = None,
-) -> tuple[float, float, float, int]:  # fmt: skip
-    """One worker run: (tasks/s, worker CPU ms per task, store commands per task, trips)."""
+) -> tuple[float, float, float, int, float]:  # fmt: skip
+    """One worker run: (tasks/s, worker CPU ms per task, store commands per task, trips,
+    CPU ms per task of the broker's and the store's redis-server)."""
     work = WORKLOADS[workload][1]
     queue = f"peers-{kind}-{pool}-{time.monotonic_ns()}"
     broker_url = f"redis://127.0.0.1:{servers.broker.port}/0"
@@ -220,18 +238,20 @@ def _run(
         cwd=BENCH_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
-    cpu_first = cpu_last = 0.0
+    cpu_first = cpu_last = redis_first = redis_last = 0.0
     try:
         deadline = time.monotonic() + 60 + tasks * (work + 0.05)
         while (done := _done(backend, tasks)) < tasks:
             if done and not cpu_first:
                 cpu_first = _group_cpu_seconds(worker.pid)
+                redis_first = servers.redis_cpu_seconds()
             if worker.poll() is not None:
                 raise RuntimeError(f"worker exited with {worker.returncode}; see {log}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {done} of {tasks} done in time; see {log}")
             time.sleep(0.02)
         cpu_last = _group_cpu_seconds(worker.pid)
+        redis_last = servers.redis_cpu_seconds()
     finally:
         worker.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -253,14 +273,15 @@ def _run(
     seconds = max(stamps) - min(stamps)
     measured = len(stamps) - 1
     cpu_ms = (cpu_last - cpu_first) * 1000 / measured
-    return measured / seconds, cpu_ms, commands / tasks, trips
+    redis_ms = (redis_last - redis_first) * 1000 / measured
+    return measured / seconds, cpu_ms, commands / tasks, trips, redis_ms
 
 
 def _trips(
     servers: Servers, kind: str, workload: str, ttl: float, log_dir: Path, tasks: int
 ) -> float:
     """Round trips per task to the Redis store, from an untimed MONITOR run on solo."""
-    _, _, _, trips = _run(servers, kind, workload, "solo", 1, tasks, ttl, log_dir, monitor=True)
+    _, _, _, trips, _ = _run(servers, kind, workload, "solo", 1, tasks, ttl, log_dir, monitor=True)
     return trips / tasks
 
 
@@ -310,7 +331,7 @@ def write_report(
     ]
     head = (
         "| workload | kind | pool | ratio to plain | spread | CPU ms/task "
-        "| trips/task | cmds/task |"
+        "| trips/task | cmds/task | Redis CPU ms/task |"
     )
     for workload in args.workloads.split(","):
         tasks, work = WORKLOADS[workload]
@@ -319,11 +340,12 @@ def write_report(
             f"### {tasks} tasks of {work * 1000:g} ms, ttl {_ttl(args, workload):g} s",
             "",
             head,
-            "|---|---|---|---:|---|---:|---:|---:|",
+            "|---|---|---|---:|---|---:|---:|---:|---:|",
         ]
         for kind in kinds:
             if kind in NOT_RUN:
-                lines.append(f"| {workload} | {kind} | {DASH} | not run: {NOT_RUN[kind]} | | | | |")
+                skipped = f"not run: {NOT_RUN[kind]}"
+                lines.append(f"| {workload} | {kind} | {DASH} | {skipped} | | | | | |")
                 continue
             for pool in args.pools.split(","):
                 rows = [
@@ -337,13 +359,15 @@ def write_report(
                     spread += f" ({len(errors)} failed: {errors[0][:60]})"
                 cpu = _cell([r.cpu_ms_per_task for r in rows if r.cpu_ms_per_task is not None], 3)
                 cmds = _cell([r.commands_per_task for r in rows if r.commands_per_task is not None])
+                servers_cpu = [r.redis_cpu_ms_per_task for r in rows]
+                redis_cpu = _cell([c for c in servers_cpu if c is not None], 3)
                 trip = trips.get((kind, workload))
                 trip_cell = f"{trip:.2f}" if trip is not None else DASH
                 if kind in SQL_KINDS:
                     cmds, trip_cell = DASH, DASH
                 lines.append(
                     f"| {workload} | {kind} | {pool} | {_cell(ratios)} | {spread} | {cpu} "
-                    f"| {trip_cell} | {cmds} |"
+                    f"| {trip_cell} | {cmds} | {redis_cpu} |"
                 )
         lines.append("")
     lines += [
@@ -398,7 +422,7 @@ def _profile(servers: Servers, kinds: list[str], args: argparse.Namespace, log_d
     for pool in args.pools.split(","):
         for kind in kinds:
             path = log_dir / f"{kind}-{pool}.prof"
-            rate, _, _, _ = _run(
+            rate, _, _, _, _ = _run(
                 servers, kind, workload, pool, args.concurrency, tasks, _ttl(args, workload),
                 log_dir, profile=path,
             )  # fmt: skip
@@ -485,11 +509,13 @@ def main(argv: list[str] | None = None) -> int:
                     for kind in runnable[shift:] + runnable[:shift]:
                         load = os.getloadavg()[0]
                         try:
-                            rate, cpu, cmds, _ = _run(
+                            rate, cpu, cmds, _, redis_cpu = _run(
                                 servers, kind, workload, pool, args.concurrency, tasks, ttl,
                                 log_dir,
                             )  # fmt: skip
-                            result = Result(kind, workload, pool, rep, rate, cpu, cmds, load)
+                            result = Result(
+                                kind, workload, pool, rep, rate, cpu, cmds, load, "", redis_cpu
+                            )
                         except RuntimeError as exc:
                             result = Result(kind, workload, pool, rep, None, None, None, load,
                                             str(exc))  # fmt: skip

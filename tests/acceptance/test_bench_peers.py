@@ -21,7 +21,7 @@ pytestmark = pytest.mark.redis
 def _row(table: str, kind: str) -> list[str]:
     for line in table.splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if len(cells) == 8 and cells[1] == kind:
+        if len(cells) == 9 and cells[1] == kind:
             return cells
     raise AssertionError(f"no row for {kind} in:\n{table}")
 
@@ -41,10 +41,11 @@ def test_smoke_profile_writes_table_and_plot(tmp_path: Path) -> None:
     assert "python bench/peers.py --quick" in table
     assert re.search(r"load average \d+\.\d", table)
     for kind in ("plain", "leases-redis", "floor"):
-        workload, _, pool, ratio, _, cpu, _, _ = _row(table, kind)
+        workload, _, pool, ratio, _, cpu, _, _, redis_cpu = _row(table, kind)
         assert (workload, pool) == ("trivial", "solo")
         assert float(ratio) > 0
         assert float(cpu) >= 0
+        assert float(redis_cpu) >= 0
     assert float(_row(table, "plain")[3]) == 1.0
     # claim and complete: two round trips per leased task, and per floor task
     for kind in ("leases-redis", "floor"):
