@@ -67,14 +67,18 @@ class RedisConfigWarning(LeaseStoreWarning):
 def client_options(given: dict[str, Any]) -> dict[str, Any]:
     """The options of a client made from a URL: ``given`` over the defaults.
 
-    By default socket and connect timeouts are 5 s and commands are never
-    retried: a script whose reply was lost is not sent again (a second
-    complete would be refused as already completed).
+    By default socket and connect timeouts are 5 s, commands are never
+    retried (a script whose reply was lost is not sent again: a second
+    complete would be refused as already completed), and the client speaks
+    RESP2: the store reads nothing RESP3 adds, and its scripts go out on
+    connections it keeps only without RESP3's push notifications
+    (:mod:`~celery_leases.stores.redis_direct`).
     """
     return {
         "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
         "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
         "retry": Retry(NoBackoff(), 0),
+        "protocol": 2,
         **given,
     }
 

@@ -32,20 +32,25 @@ a client the store made itself from a URL (a client you pass in may be
 shared with your code, another store or the renewals), and only while:
 
 - the client is a plain ``redis.Redis`` on a plain ``ConnectionPool`` of
-  TCP or Unix sockets of the standard library (not TLS, no client-side
-  cache, not under gevent or eventlet monkey-patching, whose sockets wait in
-  the hub);
+  TCP or Unix sockets (not TLS, no client-side cache);
 - every connection option is one this module knows the meaning of (see
   :data:`KNOWN_OPTIONS`), commands are never retried, and the protocol is
-  RESP2: a retry policy, RESP3's maintenance notifications or a credential
-  provider that re-authenticates connections need redis-py's own path;
+  RESP2 (the store's default): a retry policy, RESP3's push notifications
+  (maintenance notices) or a credential provider that re-authenticates
+  connections need redis-py's own path;
+
+(judged once, when the store opens) and, judged before every call:
+
+- sockets and ``select.poll`` are the standard library's (gevent or eventlet
+  monkey-patching, of threads or not, replaces them: their sockets wait in
+  the hub);
 - nobody replaced or wrapped the client's command methods or the
   connection's send and read methods (tracing instrumentation does), and
   redis-py's own metrics are off.
 
-Any other client, and these clients whenever one of those stops holding,
-send their scripts through ``execute_command`` as before, after the kept
-connections went back to the pool.
+Any other client, and these clients whenever one of the checks made before
+a call fails, send their scripts through ``execute_command`` as before,
+after the kept connections went back to the pool.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import socket
 from typing import Any
 
 import redis
+import redis.utils
 from redis.exceptions import ResponseError
 
 from celery_leases import unpatched
@@ -119,14 +125,35 @@ def _plain_client(client: Any) -> bool:
         or getattr(client, "connection", None) is not None  # a single-connection client
         or getattr(pool, "cache", None) is not None
         or pool.connection_class not in _PLAIN_CONNECTIONS
-        or unpatched.green_library() is not None
     ):
         return False
     options = pool.connection_kwargs
     return (
         set(options) <= KNOWN_OPTIONS
         and _never_retries(options)
-        and options.get("protocol") in (None, 2, "2")
+        and _resp2(options.get("protocol"))
+    )
+
+
+def _resp2(protocol: Any) -> bool:
+    """Whether connections made with ``protocol`` speak RESP2 (no push
+    notifications: redis-py 8 defaults to RESP3 and its maintenance notices)."""
+    if protocol is None:
+        protocol = getattr(redis.utils, "DEFAULT_RESP_VERSION", 2)
+    try:
+        return int(protocol) == 2
+    except (TypeError, ValueError):
+        return False
+
+
+def _stdlib_io() -> bool:
+    """Whether sockets and ``select.poll`` are the standard library's now
+    (gevent or eventlet patching replaces them, threads patched or not)."""
+    poll = getattr(select, "poll", None)
+    return (
+        socket.socket.__module__ == "socket"
+        and getattr(poll, "__module__", None) == "select"
+        and unpatched.green_library() is None
     )
 
 
@@ -152,7 +179,7 @@ class DirectCalls:
     def usable(self) -> bool:
         """Whether commands go out this way now (asked before every call: a
         tracer may wrap a method or turn metrics on at any time)."""
-        if not self._plain or _redis_metrics_on():
+        if not self._plain or _redis_metrics_on() or not _stdlib_io():
             return False
         patched = self._client.__dict__
         if "execute_command" in patched or "evalsha" in patched:

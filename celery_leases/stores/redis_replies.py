@@ -20,6 +20,7 @@ from redis.exceptions import (
     AuthorizationError,
     ClusterDownError,
     NoPermissionError,
+    NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisError,
@@ -147,8 +148,9 @@ def _permanent(exc: RedisError) -> bool:
 
     Unreachable, timed out, loading, busy, read-only (a failover), out of
     memory, a cluster that is down, a disk it cannot write (``MISCONF``),
-    too few replicas for ``min-replicas-to-write`` (``NOREPLICAS``): the
-    store is unavailable for now.
+    too few replicas for ``min-replicas-to-write`` (``NOREPLICAS``), a
+    script cache flushed again right after the script was loaded
+    (``NOSCRIPT``): the store is unavailable for now.
     Credentials, rights, and any other error reply (an unknown command, a
     server without scripting): a configuration to fix.
     """
@@ -164,7 +166,9 @@ def _permanent(exc: RedisError) -> bool:
         return True
     if not isinstance(exc, ResponseError):
         return False  # connection errors, timeouts, BusyLoadingError, bad replies
-    if isinstance(exc, (ReadOnlyError, OutOfMemoryError, TryAgainError, ClusterDownError)):
+    if isinstance(
+        exc, (ReadOnlyError, OutOfMemoryError, TryAgainError, ClusterDownError, NoScriptError)
+    ):
         return False
     code = str(exc).split(" ", 1)[0].upper()
     if code in ("NOAUTH", "WRONGPASS", "NOPERM"):

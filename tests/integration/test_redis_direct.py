@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from types import FrameType
@@ -29,6 +32,7 @@ from celery_leases.stores.base import RenewRequest
 from celery_leases.stores.redis import RedisStore
 from celery_leases.stores.redis_connections import client_options
 from celery_leases.stores.redis_direct import DirectCalls
+from tests.acceptance.harness import REPO_ROOT
 from tests.proxy import Proxy
 from tests.servers import RedisServer
 
@@ -400,3 +404,74 @@ def test_a_tracer_of_command_methods_or_connections_sees_every_script(
         tracing(redis.Connection, "send_command")
         _claim_and_complete(store, "connection-traced")
         assert seen.count("send_command") == 2
+
+
+def test_a_store_from_a_url_speaks_resp2_and_goes_direct(
+    redis_server: RedisServer, unique: str
+) -> None:
+    with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:") as store:
+        _claim_and_complete(store, "job")
+        info = store._direct.command("CLIENT", "INFO").decode().split()
+        assert "resp=2" in info
+        assert store._direct.usable
+
+
+def test_the_protocol_redis_py_picks_goes_direct_only_when_it_is_resp2(
+    redis_server: RedisServer, unique: str
+) -> None:
+    with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:", protocol=None) as store:
+        _claim_and_complete(store, "job")
+        info = store._client.execute_command("CLIENT", "INFO").decode().split()
+        assert store._direct.usable == ("resp=2" in info)
+
+
+#: claims in a process whose sockets and select are eventlet's, its threads not
+_EVENTLET_SOCKETS_ONLY = """
+import json, sys
+import eventlet
+eventlet.monkey_patch(thread=False)
+from celery_leases.stores.redis import RedisStore
+store = RedisStore.from_url(sys.argv[1], prefix=sys.argv[2], check_config=False)
+results = []
+for n in range(3):
+    try:
+        results.append(type(store.claim(f"job-{n}", "owner", 30)).__name__)
+    except BaseException as exc:
+        results.append(f"{type(exc).__name__}: {exc}")
+results.append(store._direct.usable)
+store.close()
+print(json.dumps(results))
+"""
+
+
+def test_green_sockets_without_green_threads_keep_redis_pys_path(
+    redis_server: RedisServer, unique: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _EVENTLET_SOCKETS_ONLY, redis_server.url,
+         f"e{unique}:"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [
+        "Acquired", "Acquired", "Acquired", False,
+    ]  # fmt: skip
+
+
+def test_a_second_script_flush_right_after_the_load_is_an_outage_not_a_configuration_error(
+    store: RedisStore, raw: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _claim_and_complete(store, "warm-up")
+    raw.script_flush()
+    real = DirectCalls.command
+
+    def flushed_again(self: DirectCalls, *args: Any) -> Any:
+        reply = real(self, *args)
+        if args[:2] == ("SCRIPT", "LOAD"):
+            raw.script_flush()  # another flush lands between the load and the call
+        return reply
+
+    monkeypatch.setattr(DirectCalls, "command", flushed_again)
+    with pytest.raises(StoreUnavailable, match="NoScriptError"):
+        store.claim("flushed-twice", OWNER, 30)
+    monkeypatch.undo()
+    _claimed_on_its_own_reply(store, "after")
