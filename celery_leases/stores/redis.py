@@ -62,7 +62,9 @@ from celery_leases.stores.redis_replies import (
     _fields,
     _record,
     _text,
+    evalsha,
     fenced_reply,
+    raw_command,
     renew_result,
 )
 from celery_leases.stores.redis_scripts import Script
@@ -251,11 +253,12 @@ class RedisStore(RedisBatches, LeaseStore):
                 script.sha = _text(direct.command("SCRIPT", "LOAD", script.source))
                 return direct.command("EVALSHA", script.sha, 1, key, *args)
         direct.give_back()  # kept while the direct path was usable
+        client = self._client
         try:
-            return self._client.evalsha(script.sha, 1, key, *args)
+            return evalsha(client, script.sha, 1, key, *args)
         except NoScriptError:
-            script.sha = _text(self._client.script_load(script.source))
-            return self._client.evalsha(script.sha, 1, key, *args)
+            script.sha = _text(client.script_load(script.source))
+            return evalsha(client, script.sha, 1, key, *args)
 
     # -- backend hooks ---------------------------------------------------------
 
@@ -285,8 +288,6 @@ class RedisStore(RedisBatches, LeaseStore):
                 return HeldElsewhere(job_id, holder, generation, (lease_until - now) / 1000)
             if code == scripts.ALREADY_COMPLETED:
                 outcome = reply[3] if len(reply) > 3 else None
-                if isinstance(outcome, str):  # a client that decodes responses
-                    outcome = outcome.encode("utf-8", "surrogateescape")
                 return AlreadyCompleted(job_id, int(reply[1]), _text(reply[2]), outcome)
             if code == scripts.CLAIM_UNREADABLE:
                 raise unreadable(job_id, self.url, "found by the claim script")
@@ -340,7 +341,7 @@ class RedisStore(RedisBatches, LeaseStore):
         with self._errors("get", job_id):
             key = self.key(job_id)
             try:
-                fields = self._shared_client().hgetall(key)
+                fields = raw_command(self._shared_client(), "HGETALL", key)
             except ResponseError as exc:
                 if not str(exc).startswith("WRONGTYPE"):
                     raise
@@ -372,7 +373,7 @@ class RedisStore(RedisBatches, LeaseStore):
             for keys in self._scan_keys():
                 pipe = self._shared_client().pipeline(transaction=False)
                 for key in keys:
-                    pipe.hgetall(key)
+                    raw_command(pipe, "HGETALL", key)
                 for key, fields in zip(keys, pipe.execute(raise_on_error=False), strict=True):
                     # deleted since the scan, or not a record (another kind of key)
                     if not isinstance(fields, dict) or not fields:

@@ -34,7 +34,7 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
-from celery_leases.stores.redis_replies import _text, renew_result
+from celery_leases.stores.redis_replies import _text, evalsha, renew_result
 from celery_leases.stores.redis_scripts import Script
 
 __all__ = ["RENEW_CHUNK", "Call", "RedisBatches"]
@@ -116,7 +116,7 @@ class RedisBatches:
     ) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
-            pipe.evalsha(sha, len(keys), *keys, *args)
+            evalsha(pipe, sha, len(keys), *keys, *args)
         return list(pipe.execute(raise_on_error=False))
 
     def _renew_chunks(self, requests: Sequence[RenewRequest]) -> list[list[int]]:

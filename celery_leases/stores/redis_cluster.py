@@ -47,7 +47,7 @@ from celery_leases.stores.redis_connections import (
     check_renew_connections,
     client_options,
 )
-from celery_leases.stores.redis_replies import _escape_glob, _text
+from celery_leases.stores.redis_replies import _escape_glob, _text, evalsha
 from celery_leases.stores.results import RenewRequest
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
@@ -214,7 +214,7 @@ class RedisClusterStore(RedisStore):
             pipe = nodes[name].redis_connection.pipeline(transaction=False)
             for index in indexes:
                 keys, args = calls[index]
-                pipe.evalsha(sha, len(keys), *keys, *args)
+                evalsha(pipe, sha, len(keys), *keys, *args)
             try:
                 answers = pipe.execute(raise_on_error=False)
             except (ConnectionError, TimeoutError):
@@ -232,7 +232,7 @@ class RedisClusterStore(RedisStore):
                 or (isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")))
             ):
                 try:
-                    replies[index] = cluster.evalsha(sha, 1, keys[0], *args)
+                    replies[index] = evalsha(cluster, sha, 1, keys[0], *args)
                 except RedisError as exc:
                     replies[index] = exc
         return replies

@@ -212,7 +212,7 @@ class DirectCalls:
 
     def command(self, *args: Any) -> Any:
         """Send one command (``"EVALSHA", sha, 1, key, ...``) and read its
-        reply as redis-py reads it.
+        reply as redis-py reads it, never decoded (``RAW``).
 
         Raises what ``execute_command`` would: an error reply as its
         ``ResponseError`` (``NoScriptError`` among them), a lost or timed
@@ -222,7 +222,7 @@ class DirectCalls:
         conn = self._checkout()
         try:
             conn.send_packed_command(conn.pack_command(*args))
-            reply = conn.read_response()
+            reply = conn.read_response(disable_decoding=True)
         except ResponseError:
             self._free.append(conn)  # the whole reply was read: ready for the next
             raise

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
+from redis.client import NEVER_DECODE
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -39,7 +40,37 @@ from celery_leases.stores.base import (
     unreadable,
 )
 
-__all__ = ["fenced_reply", "renew_result"]
+__all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result"]
+
+#: the options of a command whose reply is read as bytes even on a client
+#: that decodes responses: a record's outcome is the task's serialized
+#: result, which need not be text (pickle is not)
+RAW: dict[str, Any] = {NEVER_DECODE: True}
+
+
+def _decodes(client: Any) -> bool:
+    """Whether ``client`` (a client, a cluster client or a pipeline) decodes
+    its replies; True when it cannot be told."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return bool(pool.connection_kwargs.get("decode_responses"))
+    return bool(getattr(getattr(client, "encoder", None), "decode_responses", True))
+
+
+def raw_command(client: Any, *args: Any) -> Any:
+    """``client.execute_command(*args)`` (a client, a cluster client or a
+    pipeline) with its reply never decoded (:data:`RAW`)."""
+    return client.execute_command(*args, **RAW)
+
+
+def evalsha(client: Any, sha: str, *keys_and_args: Any) -> Any:
+    """``EVALSHA sha 1 key *args`` on ``client``, its reply never decoded:
+    through the client's own ``evalsha`` when the client does not decode
+    anyway (so a tracer of ``evalsha`` sees the script), else
+    :func:`raw_command`. ``keys_and_args`` starts with the number of keys."""
+    if _decodes(client):
+        return raw_command(client, "EVALSHA", sha, *keys_and_args)
+    return client.evalsha(sha, *keys_and_args)
 
 
 def _describe(client: redis.Redis) -> str:

@@ -711,3 +711,43 @@ def test_renew_many_sends_its_chunks_in_one_round_trip(
     for i in range(20):
         expected = {0: "2", 9: "0"}.get(i, "1")  # job-0 was renewed by the warm-up too
         assert raw.hget(f"t{unique}:{{job-{i}}}", "renew_count") == expected
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given-client", "from-url"])
+def test_a_decoding_client_keeps_a_binary_outcome_whole(
+    redis_server: RedisServer, unique: str, given: bool
+) -> None:
+    outcome = b"\x80\x04\x95pickled\xff\xfe"  # not UTF-8, as a pickled result is not
+    if given:
+        client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        store = RedisStore(client, prefix=f"t{unique}:")
+    else:
+        store = RedisStore.from_url(redis_server.url, prefix=f"t{unique}:", decode_responses=True)
+    with store:
+        held = store.claim("job", "worker-a", 30, send_id="send-1")
+        stale = store.claim("other", "worker-a", 30)
+        assert isinstance(held, Acquired)
+        assert isinstance(stale, Acquired)
+        assert store.complete("job", "worker-a", held.generation, outcome=outcome) == Completed(
+            "job", held.generation
+        )
+        again = store.claim("job", "worker-b", 30, send_id="send-1")
+        assert isinstance(again, AlreadyCompleted)
+        assert again.outcome == outcome
+        record = store.get("job")
+        assert record is not None
+        assert record.outcome == outcome
+        assert {r.job_id: r.outcome for r in store.records()}["job"] == outcome
+        # a stale renewal of the completed job is refused, and the other lease
+        # of the same batch is renewed
+        refused, renewed = store.renew_many(
+            [
+                RenewRequest("job", "worker-a", held.generation, 30),
+                RenewRequest("other", "worker-a", stale.generation, 30),
+            ]
+        )
+        assert isinstance(refused, Refusal)
+        assert refused.reason is RefusalReason.COMPLETED
+        assert isinstance(renewed, Renewed)
+        late = store.complete("job", "worker-c", held.generation + 1)
+        assert isinstance(late, Refusal)
