@@ -96,6 +96,8 @@ def test_duplicate_waits_for_killed_holder_then_completes_once(
     assert value == {"worker": started_b["worker"], "generation": generation_b}
     assert cluster.side.done_count(result.id) == 1
     succeeded = re.escape(f"Task {STEPS}[{result.id}] succeeded")
+    # the worker logs the success after the result is stored
+    worker_b.wait_for_log(succeeded, timeout=10)
     assert len(re.findall(succeeded, worker_a.log() + worker_b.log())) == 1
     if broker_kind == "amqp":
         # A's own message came back when its connection closed: the same
