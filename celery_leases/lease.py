@@ -24,12 +24,7 @@ A lease given up for the run that ``retry()`` or ``replace()`` sent
 from __future__ import annotations
 
 import ctypes
-import functools
-import itertools
 import logging
-import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +32,7 @@ from datetime import datetime
 
 from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
+from celery_leases.owners import make_owner
 from celery_leases.settings import LeaseTiming
 from celery_leases.stores.base import (
     LeaseStore,
@@ -51,42 +47,6 @@ __all__ = ["Lease", "make_owner"]
 logger = logging.getLogger("celery_leases")
 
 Clock = Callable[[], float]
-
-
-def make_owner() -> str:
-    """A new owner token: host, pid, a random part and a count.
-
-    Each claim gets its own token. The random part is drawn once per process
-    and drawn again in a forked child (a child must never share its parent's
-    tokens, or a stale child would pass the owner check); the count tells
-    the claims of one process apart without a random draw each.
-    """
-    state = _owner_prefix.state
-    if state[0] != os.getpid():  # a fork that ran no at-fork hooks
-        state = _owner_prefix.reset()
-    return f"{state[1]}{next(state[2])}"
-
-
-class _OwnerPrefix:
-    """This process's (pid, prefix, count), replaced as one tuple: a thread
-    never sees a new pid with the old prefix."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> tuple[int, str, itertools.count[int]]:
-        pid = os.getpid()
-        self.state = (pid, f"{_hostname()}:{pid}:{secrets.token_hex(8)}-", itertools.count(1))
-        return self.state
-
-
-@functools.lru_cache(maxsize=1)
-def _hostname() -> str:
-    return socket.gethostname()
-
-
-_owner_prefix = _OwnerPrefix()
-os.register_at_fork(after_in_child=_owner_prefix.reset)  # the common case, before any thread
 
 
 class Lease:

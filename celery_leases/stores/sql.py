@@ -46,10 +46,7 @@ from celery_leases.stores.base import (
 from celery_leases.stores.deadline import store_waits, time_left
 from celery_leases.stores.sql_driver import DriverStatements, sends_by_driver
 from celery_leases.stores.sql_engine import (
-    MIN_SQLITE_VERSION,
-    SQLITE_BUSY_TIMEOUT,
     check_columns,
-    check_sqlite_version,
     check_timeout,
     create_table,
     dialect_for,
@@ -60,6 +57,11 @@ from celery_leases.stores.sql_errors import DRIVER_ERRORS, lost_connection, stor
 from celery_leases.stores.sql_mysql import MysqlOperations, _MysqlStatements
 from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
 from celery_leases.stores.sql_records import SqlRecords
+from celery_leases.stores.sql_sqlite_engine import (
+    MIN_SQLITE_VERSION,
+    SQLITE_BUSY_TIMEOUT,
+    check_sqlite_version,
+)
 from celery_leases.stores.sql_statements import _Statements
 from celery_leases.stores.sql_table import (
     _MYSQL,

@@ -1,55 +1,36 @@
 """How the SQL lease store prepares an engine: hooks, timeouts, fork safety.
 
-Used by :mod:`celery_leases.stores.sql`.
-
-SQLite gets WAL, a busy timeout and ``BEGIN IMMEDIATE`` on each connection.
-
-PostgreSQL gets a bound on every wait, so that a connection that went
-silently dead (a firewall or NAT that forgot it, a failover behind a virtual
-IP) cannot hang a store call:
-
-- ``connect_timeout`` for a new connection;
-- TCP keepalives and ``tcp_user_timeout``, so the kernel gives up on a peer
-  that stopped acknowledging;
-- ``statement_timeout`` and ``lock_timeout`` on the server (engines the store
-  opens itself), so a statement waiting on a row lock ends;
-- and, in the client, a limit on each wait for a reply: a proxy or a
-  half-open path can acknowledge every packet and still never answer, which
-  no socket option sees. Past the limit the connection is closed, so the
-  pool discards it (and every connection pooled before it) and the next
-  checkout opens a fresh one.
-
-The client limit applies only inside the store's own calls (see
-:func:`store_waits`), so other users of an engine passed in keep their
-behaviour.
+Used by :mod:`celery_leases.stores.sql`. Each database's own preparation is
+in a module of its own: :mod:`~celery_leases.stores.sql_sqlite_engine` (WAL,
+a busy timeout, ``BEGIN IMMEDIATE``),
+:mod:`~celery_leases.stores.sql_postgres_engine` and
+:mod:`~celery_leases.stores.sql_mysql_engine` (a bound on every wait, so a
+connection that went silently dead cannot hang a store call). Here: which
+one an engine gets, the table's creation, idle pings, and the engines of a
+store opened from a URL.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
 import os
-import sqlite3
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask, secrets_of
-from celery_leases.stores.deadline import reply_limit
 from celery_leases.stores.sql_errors import FIX, permanent, reason
 from celery_leases.stores.sql_mysql_engine import prepare_mysql_engine
+from celery_leases.stores.sql_postgres_engine import prepare_postgres_engine
+from celery_leases.stores.sql_sqlite_engine import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
 from celery_leases.stores.sql_table import (
     _MYSQL,
     _POSTGRES,
-    _READ_ONLY_OPTION,
     _SQLITE,
     DEFAULT_TABLE_NAME,
     MYSQL_NAMES,
@@ -58,12 +39,6 @@ from celery_leases.stores.sql_table import (
     _missing_columns,
     lease_table,
 )
-
-#: seconds a SQLite connection waits for another writer, unless told
-SQLITE_BUSY_TIMEOUT = 10.0
-
-#: RETURNING arrived in SQLite 3.35 (UPDATE ... FROM in 3.33)
-MIN_SQLITE_VERSION = (3, 35, 0)
 
 #: engines of open stores; a forked child must not reuse their connections
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -115,14 +90,14 @@ def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> _Dia
     _ENGINES.add(engine)
     if engine.dialect.name == "postgresql":
         if timeout is not None:
-            _prepare_postgres_engine(engine, timeout, server_limits)
+            prepare_postgres_engine(engine, timeout, server_limits)
         return _POSTGRES
     if engine.dialect.name in MYSQL_NAMES:
         if timeout is not None:
             prepare_mysql_engine(engine, timeout, server_limits)
         return _MYSQL
     if engine.dialect.name == "sqlite":
-        _prepare_sqlite_engine(engine, SQLITE_BUSY_TIMEOUT if timeout is None else timeout)
+        prepare_sqlite_engine(engine, SQLITE_BUSY_TIMEOUT if timeout is None else timeout)
         return _SQLITE
     raise LeaseConfigurationError(
         "the SQL lease store supports PostgreSQL, SQLite and MySQL/MariaDB, "
@@ -236,163 +211,6 @@ def check_timeout(timeout: object) -> float:
             f"timeout must be a number of seconds above 0 and at most 3600, got {timeout!r}"
         )
     return float(timeout)
-
-
-# --- SQLite --------------------------------------------------------------------
-
-
-class _SqliteOnConnect:
-    """The ``connect`` hook: autocommit at the driver, busy timeout, WAL."""
-
-    def __init__(self, busy_timeout: float) -> None:
-        self.busy_timeout_ms = round(busy_timeout * 1000)
-
-    def __call__(self, dbapi_connection: Any, connection_record: Any) -> None:
-        # Let SQLAlchemy emit BEGIN itself (see _sqlite_on_begin): the driver's
-        # own BEGIN is deferred and is skipped before SELECT.
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
-            # WAL: readers never block the writer and the writer never blocks readers.
-            cursor.execute("PRAGMA journal_mode = WAL")
-        finally:
-            cursor.close()
-
-
-def _sqlite_on_begin(conn: Connection) -> None:
-    # A deferred transaction that reads, then writes must upgrade its lock;
-    # if another process wrote in between, SQLite answers SQLITE_BUSY at once,
-    # without waiting on the busy timeout. BEGIN IMMEDIATE takes the write
-    # lock first (waiting on the timeout), so that cannot happen.
-    if conn.get_execution_options().get(_READ_ONLY_OPTION):
-        conn.exec_driver_sql("BEGIN")
-    else:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-def _prepare_sqlite_engine(engine: Engine, busy_timeout: float) -> None:
-    if event.contains(engine, "begin", _sqlite_on_begin):
-        return
-    if engine.driver != "pysqlite":
-        raise LeaseConfigurationError(
-            f"the SQLite lease store needs the standard sqlite3 driver "
-            f"(sqlite:///path), not {engine.driver!r}"
-        )
-    if engine.url.database in (None, "", ":memory:") or "mode=memory" in str(engine.url):
-        raise LeaseConfigurationError(
-            "an in-memory SQLite database is private to one connection, so workers "
-            "cannot share it; use a file (sqlite:///path/to/leases.db) or memory://"
-        )
-    check_sqlite_version(sqlite3.sqlite_version_info)
-    folder = Path(str(engine.url.database)).parent
-    if not folder.is_dir():
-        raise LeaseConfigurationError(
-            f"the folder {folder} of the SQLite lease database does not exist; create it "
-            "first (every worker must open the same file)"
-        )
-    event.listen(engine, "connect", _SqliteOnConnect(busy_timeout))
-    event.listen(engine, "begin", _sqlite_on_begin)
-    # connections made before the hooks existed would lack them
-    engine.dispose()
-
-
-def check_sqlite_version(version: tuple[int, ...]) -> None:
-    """Refuse a SQLite older than :data:`MIN_SQLITE_VERSION`."""
-    if tuple(version) < MIN_SQLITE_VERSION:
-        have = ".".join(map(str, version))
-        need = ".".join(map(str, MIN_SQLITE_VERSION))
-        raise LeaseConfigurationError(
-            f"the SQLite lease store needs SQLite {need} or newer (for RETURNING); "
-            f"this Python links SQLite {have}. Use a newer Python build, or PostgreSQL."
-        )
-
-
-# --- PostgreSQL: a bound on every wait ------------------------------------------
-
-
-@functools.cache
-def _bounded_connection_class() -> type[Any]:
-    """A psycopg ``Connection`` whose waits for the server end in time."""
-    import psycopg
-
-    class ReplyTimedOut(psycopg.OperationalError):
-        """No reply from the server in time; the connection was closed."""
-
-    class BoundedConnection(psycopg.Connection[Any]):
-        def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
-            limit = reply_limit()
-            if limit is None:
-                return super().wait(gen, interval, timeout)
-            if timeout is not None:
-                limit = min(limit, timeout)
-            started = time.monotonic()
-            try:
-                return super().wait(gen, interval, limit)
-            except psycopg.OperationalError as error:
-                if time.monotonic() - started < limit:
-                    raise
-                # Mid-reply, the connection's state is unknown: close it, so
-                # the pool discards it instead of handing it out again.
-                with contextlib.suppress(Exception):
-                    self.close()
-                raise ReplyTimedOut(
-                    f"no reply from the database within {limit:.3g} s; the connection was closed"
-                ) from error
-
-    return BoundedConnection
-
-
-def _postgres_parameters(timeout: float) -> dict[str, Any]:
-    """libpq parameters that bound a connection's waits (see the module's docstring)."""
-    seconds = max(1, math.ceil(timeout))
-    return {
-        # libpq counts whole seconds and treats less than 2 as 2
-        "connect_timeout": max(2, seconds),
-        "keepalives": 1,
-        "keepalives_idle": seconds,
-        "keepalives_interval": 1,
-        "keepalives_count": 3,
-        "tcp_user_timeout": round(timeout * 1000),
-    }
-
-
-class _PostgresOnConnect:
-    """The ``do_connect`` hook: bounded connections. A parameter or server
-    setting the caller gave (in the URL or ``connect_args``) is kept."""
-
-    def __init__(self, timeout: float, server_limits: bool) -> None:
-        self.parameters = _postgres_parameters(timeout)
-        ms = round(timeout * 1000)
-        self.settings = {"statement_timeout": ms, "lock_timeout": ms} if server_limits else {}
-
-    def __call__(
-        self, dialect: Any, connection_record: Any, cargs: list[Any], cparams: dict[str, Any]
-    ) -> Any:
-        conninfo = " ".join(map(str, cargs)) + " " + str(cparams.get("dsn", ""))
-        for name, value in self.parameters.items():
-            if name not in cparams and f"{name}=" not in conninfo:
-                cparams[name] = value
-        options = str(cparams.get("options", ""))
-        added = [
-            f"-c {name}={value}" for name, value in self.settings.items() if name not in options
-        ]
-        if added and "options=" not in conninfo:
-            cparams["options"] = " ".join([options, *added]).strip()
-        return _bounded_connection_class().connect(*cargs, **cparams)
-
-
-#: engines whose connections are bounded already
-_BOUNDED: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-def _prepare_postgres_engine(engine: Engine, timeout: float, server_limits: bool) -> None:
-    if engine.driver != "psycopg" or engine in _BOUNDED:
-        return
-    _BOUNDED.add(engine)
-    event.listen(engine, "do_connect", _PostgresOnConnect(timeout, server_limits))
-    # connections made before the hook would not be bounded
-    engine.dispose()
 
 
 # --- the engines of a store opened from a URL -------------------------------------

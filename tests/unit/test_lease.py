@@ -10,8 +10,7 @@ from datetime import timezone
 
 import pytest
 
-from celery_leases import LeaseConfigurationError, LeaseLost, LeaseTiming, StoreUnavailable
-from celery_leases import lease as lease_module
+from celery_leases import LeaseConfigurationError, LeaseLost, LeaseTiming, StoreUnavailable, owners
 from celery_leases.lease import Lease, make_owner
 from celery_leases.stores.base import (
     Acquired,
@@ -87,7 +86,7 @@ def test_owner_tokens_of_a_process_forked_without_hooks_are_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parent = make_owner()
-    monkeypatch.setattr(lease_module.os, "getpid", lambda: 4242424)
+    monkeypatch.setattr(owners.os, "getpid", lambda: 4242424)
     child_first, child_second = make_owner(), make_owner()
     assert ":4242424:" in child_first
     assert child_first.rsplit(":", 1)[1].split("-")[0] != parent.rsplit(":", 1)[1].split("-")[0]

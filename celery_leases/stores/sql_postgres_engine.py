@@ -1,0 +1,121 @@
+"""How the SQL lease store prepares a PostgreSQL engine (psycopg).
+
+Used by :mod:`celery_leases.stores.sql_engine`. PostgreSQL gets a bound on
+every wait, so that a connection that went silently dead (a firewall or NAT
+that forgot it, a failover behind a virtual IP) cannot hang a store call:
+
+- ``connect_timeout`` for a new connection;
+- TCP keepalives and ``tcp_user_timeout``, so the kernel gives up on a peer
+  that stopped acknowledging;
+- ``statement_timeout`` and ``lock_timeout`` on the server (engines the store
+  opens itself), so a statement waiting on a row lock ends;
+- and, in the client, a limit on each wait for a reply: a proxy or a
+  half-open path can acknowledge every packet and still never answer, which
+  no socket option sees. Past the limit the connection is closed, so the
+  pool discards it (and every connection pooled before it) and the next
+  checkout opens a fresh one.
+
+The client limit applies only inside the store's own calls (see
+:func:`~celery_leases.stores.deadline.store_waits`), so other users of an
+engine passed in keep their behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import weakref
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from celery_leases.stores.deadline import reply_limit
+
+__all__ = ["prepare_postgres_engine"]
+
+
+@functools.cache
+def _bounded_connection_class() -> type[Any]:
+    """A psycopg ``Connection`` whose waits for the server end in time."""
+    import psycopg
+
+    class ReplyTimedOut(psycopg.OperationalError):
+        """No reply from the server in time; the connection was closed."""
+
+    class BoundedConnection(psycopg.Connection[Any]):
+        def wait(self, gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+            limit = reply_limit()
+            if limit is None:
+                return super().wait(gen, interval, timeout)
+            if timeout is not None:
+                limit = min(limit, timeout)
+            started = time.monotonic()
+            try:
+                return super().wait(gen, interval, limit)
+            except psycopg.OperationalError as error:
+                if time.monotonic() - started < limit:
+                    raise
+                # Mid-reply, the connection's state is unknown: close it, so
+                # the pool discards it instead of handing it out again.
+                with contextlib.suppress(Exception):
+                    self.close()
+                raise ReplyTimedOut(
+                    f"no reply from the database within {limit:.3g} s; the connection was closed"
+                ) from error
+
+    return BoundedConnection
+
+
+def _postgres_parameters(timeout: float) -> dict[str, Any]:
+    """libpq parameters that bound a connection's waits (see the module's docstring)."""
+    seconds = max(1, math.ceil(timeout))
+    return {
+        # libpq counts whole seconds and treats less than 2 as 2
+        "connect_timeout": max(2, seconds),
+        "keepalives": 1,
+        "keepalives_idle": seconds,
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": round(timeout * 1000),
+    }
+
+
+class _PostgresOnConnect:
+    """The ``do_connect`` hook: bounded connections. A parameter or server
+    setting the caller gave (in the URL or ``connect_args``) is kept."""
+
+    def __init__(self, timeout: float, server_limits: bool) -> None:
+        self.parameters = _postgres_parameters(timeout)
+        ms = round(timeout * 1000)
+        self.settings = {"statement_timeout": ms, "lock_timeout": ms} if server_limits else {}
+
+    def __call__(
+        self, dialect: Any, connection_record: Any, cargs: list[Any], cparams: dict[str, Any]
+    ) -> Any:
+        conninfo = " ".join(map(str, cargs)) + " " + str(cparams.get("dsn", ""))
+        for name, value in self.parameters.items():
+            if name not in cparams and f"{name}=" not in conninfo:
+                cparams[name] = value
+        options = str(cparams.get("options", ""))
+        added = [
+            f"-c {name}={value}" for name, value in self.settings.items() if name not in options
+        ]
+        if added and "options=" not in conninfo:
+            cparams["options"] = " ".join([options, *added]).strip()
+        return _bounded_connection_class().connect(*cargs, **cparams)
+
+
+#: engines whose connections are bounded already
+_BOUNDED: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def prepare_postgres_engine(engine: Engine, timeout: float, server_limits: bool) -> None:
+    if engine.driver != "psycopg" or engine in _BOUNDED:
+        return
+    _BOUNDED.add(engine)
+    event.listen(engine, "do_connect", _PostgresOnConnect(timeout, server_limits))
+    # connections made before the hook would not be bounded
+    engine.dispose()
