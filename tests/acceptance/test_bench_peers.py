@@ -7,13 +7,11 @@ that the store round trips counted are the ones each kind makes.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_runs import run_bench
 
 pytestmark = pytest.mark.redis
 
@@ -27,15 +25,7 @@ def _row(table: str, kind: str) -> list[str]:
 
 
 def test_smoke_profile_writes_table_and_plot(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "peers.py"), "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    run_bench("peers.py", "--quick", "--out", str(tmp_path))
 
     table = (tmp_path / "peers.md").read_text()
     assert "python bench/peers.py --quick" in table

@@ -1,0 +1,26 @@
+"""Running a benchmark script of ``bench/`` as a user would, for the smoke tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, *args: str, timeout: float = 100) -> str:
+    """Run ``bench/<script>`` with ``args`` from the repository root; its output.
+
+    Fails the test when the script exits with an error.
+    """
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run.stdout
