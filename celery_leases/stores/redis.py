@@ -56,6 +56,7 @@ from celery_leases.stores.redis_connections import (
 )
 from celery_leases.stores.redis_direct import DirectCalls
 from celery_leases.stores.redis_errors import DriverErrors
+from celery_leases.stores.redis_operator_scripts import FORCE_RELEASE_SCRIPT, PURGE_ONE_SCRIPT
 from celery_leases.stores.redis_replies import (
     _describe,
     _escape_glob,
@@ -135,8 +136,8 @@ class RedisStore(RedisBatches, LeaseStore):
         self._renew_many_compiles = True
         self._complete_script = Script(scripts.COMPLETE_SCRIPT)
         self._release_script = Script(scripts.RELEASE_SCRIPT)
-        self._force_release_script = Script(scripts.FORCE_RELEASE_SCRIPT)
-        self._purge_one_script = Script(scripts.PURGE_ONE_SCRIPT)
+        self._force_release_script = Script(FORCE_RELEASE_SCRIPT)
+        self._purge_one_script = Script(PURGE_ONE_SCRIPT)
         self._config_pending = check_config
         if check_config:
             self._check_config(client)
