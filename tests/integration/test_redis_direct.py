@@ -41,6 +41,10 @@ pytestmark = pytest.mark.redis
 OWNER = "worker-a"
 
 
+class _OwnConnection(redis.Connection):
+    """A connection class of a user's own (a socket wrapper, say), methods unchanged."""
+
+
 @pytest.fixture
 def store(redis_server: RedisServer, unique: str) -> Iterator[RedisStore]:
     with RedisStore.from_url(redis_server.url, prefix=f"d{unique}:") as opened:
@@ -264,16 +268,31 @@ def test_a_forked_child_never_uses_its_parents_connections(store: RedisStore) ->
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda: redis.Redis.from_url("rediss://127.0.0.1:1/0"), id="tls"),
+        # each with the options the store gives its own client, so the one
+        # difference that sends it through redis-py is the one named
         pytest.param(
-            lambda: Sentinel([("127.0.0.1", 1)]).master_for("leases"),  # type: ignore[no-untyped-call]
+            lambda: redis.Redis.from_url("rediss://127.0.0.1:1/0", **client_options({})),
+            id="tls",
+        ),
+        pytest.param(
+            lambda: Sentinel([("127.0.0.1", 1)]).master_for(  # type: ignore[no-untyped-call]
+                "leases", **client_options({})
+            ),
             id="sentinel",
         ),
         pytest.param(
             lambda: redis.Redis(
-                connection_pool=redis.BlockingConnectionPool.from_url("redis://127.0.0.1:1/0")
+                connection_pool=redis.BlockingConnectionPool.from_url(
+                    "redis://127.0.0.1:1/0", **client_options({})
+                )
             ),
             id="blocking-pool",
+        ),
+        pytest.param(
+            lambda: redis.Redis.from_url(
+                "redis://127.0.0.1:1/0", connection_class=_OwnConnection, **client_options({})
+            ),
+            id="connection-class-of-its-own",
         ),
     ],
 )
