@@ -190,11 +190,13 @@ def make_app(
     queue: str,
     work: float,
     ttl: float,
+    prefetch: int = 1,
 ) -> tuple[Celery, Task]:
-    """The app and its one task for ``kind``."""
+    """The app and its one task for ``kind``; ``prefetch`` is the workers'
+    ``worker_prefetch_multiplier``."""
     app = Celery(f"bench-{kind}", broker=broker, backend=backend)
     app.conf.update(
-        worker_prefetch_multiplier=1,
+        worker_prefetch_multiplier=prefetch,
         task_default_queue=queue,
         broker_connection_retry_on_startup=True,
     )
@@ -294,6 +296,7 @@ def _from_env() -> tuple[Celery, Task]:
         queue=os.environ.get("BENCH_QUEUE", "bench"),
         work=float(os.environ.get("BENCH_WORK", "0")),
         ttl=float(os.environ.get("BENCH_TTL", "30")),
+        prefetch=int(os.environ.get("BENCH_PREFETCH", "1")),
     )
 
 

@@ -187,6 +187,7 @@ async def _apush(task: Any, tasks: int) -> None:
 def _run(
     servers: Servers, kind: str, workload: str, pool: str, concurrency: int,
     tasks: int, ttl: float, log_dir: Path, monitor: bool = False, profile: Path | None = None,
+    prefetch: int = 1,
 ) -> tuple[float, float, float, int, float]:  # fmt: skip
     """One worker run: (tasks/s, worker CPU ms per task, store commands per task, trips,
     CPU ms per task of the broker's and the store's redis-server)."""
@@ -223,7 +224,7 @@ def _run(
         **os.environ,
         "BENCH_KIND": kind, "BENCH_BROKER": broker_url, "BENCH_BACKEND": backend_url,
         "BENCH_STORE": store_url, "BENCH_QUEUE": queue, "BENCH_WORK": str(work),
-        "BENCH_TTL": str(ttl),
+        "BENCH_TTL": str(ttl), "BENCH_PREFETCH": str(prefetch),
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCH_DIR)]),
     }  # fmt: skip
     log = log_dir / f"{queue}.log"
@@ -450,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--short-ttl", type=float, default=0.3, help="lease ttl of the 50 ms workload (renewals)"
     )
+    parser.add_argument(
+        "--prefetch-multiplier", type=int, default=1,
+        help="the workers' worker_prefetch_multiplier (1)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs", help="docs/")
     parser.add_argument(
         "--quick", action="store_true",
@@ -511,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             rate, cpu, cmds, _, redis_cpu = _run(
                                 servers, kind, workload, pool, args.concurrency, tasks, ttl,
-                                log_dir,
+                                log_dir, prefetch=args.prefetch_multiplier,
                             )  # fmt: skip
                             result = Result(
                                 kind, workload, pool, rep, rate, cpu, cmds, load, "", redis_cpu
