@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.acceptance.harness import REPO_ROOT
 
 
 def run_bench(script: str, *args: str, timeout: float = 100) -> str:
@@ -15,8 +14,8 @@ def run_bench(script: str, *args: str, timeout: float = 100) -> str:
     Fails the test when the script exits with an error.
     """
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args],
-        cwd=ROOT,
+        [sys.executable, str(REPO_ROOT / "bench" / script), *args],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -7,25 +7,20 @@ split was read.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_runs import run_bench
 
 
 @pytest.mark.postgres
 def test_a_short_run_prints_claims_per_second_of_both_sizes_and_their_ratio() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "concurrency.py"), "--stores", "postgres,redis",
-         "--processes", "1,2", "--seconds", "0.5", "--rounds", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False,
+    out = run_bench(
+        "concurrency.py", "--stores", "postgres,redis", "--processes", "1,2",
+        "--seconds", "0.5", "--rounds", "1",
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     for store in ("postgres", "redis"):
-        section = run.stdout.split(f"{store}: ", 1)[1]
+        section = out.split(f"{store}: ", 1)[1]
         rows = re.findall(
             r"^\| (\d+) \| ([\d,]+) \| [\d,]+-[\d,]+ \| (\d+)% \| (\d+)% \|", section, re.M
         )

@@ -8,24 +8,16 @@ names the lines of this library a lease allocates on.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_runs import run_bench
 
 pytestmark = pytest.mark.redis
 
 
 def _bench(*args: str) -> str:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "worker_memory.py"), "--tasks", "8", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    return run.stdout
+    return run_bench("worker_memory.py", "--tasks", "8", *args, timeout=110)
 
 
 @pytest.mark.timeout(120)
