@@ -32,10 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from proc_stat import cpu_ticks, stat_fields  # noqa: E402 - beside this file
+
 from celery_leases.stores import open_store  # noqa: E402 - needs ROOT on sys.path
 from tests.servers import PostgresServer, RedisServer  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _claimer(url: str, seconds: float, start: float, counts: multiprocessing.Queue[int]) -> None:
@@ -59,10 +59,9 @@ def _cpu_ticks(pids: list[int]) -> int:
     total = 0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += cpu_ticks(stat_fields(pid))
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])
     return total
 
 
@@ -120,7 +119,7 @@ def _children(pid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+                parent = int(stat_fields(entry.name)[1])
             except OSError:
                 continue
             if parent == pid:

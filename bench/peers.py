@@ -58,6 +58,7 @@ from peer_tasks import (  # noqa: E402
     create_sql_floor_table,
     make_app,
 )
+from proc_stat import CLK_TCK, cpu_ticks, stat_fields  # noqa: E402
 
 WORKLOADS = {"trivial": (2000, 0.0), "50ms": (200, 0.05)}
 #: kinds that cannot run in this benchmark, and why (shown in the table)
@@ -68,7 +69,6 @@ RELIER_QUEUES = ("high_priority", "default", "low_priority", "re-queue")
 SQL_KINDS = ("leases-postgres", "leases-sqlite", "floor-postgres", "floor-sqlite")
 #: the dash of an empty cell or a range, in the Markdown
 DASH = "\u2013"
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -109,9 +109,7 @@ class Servers:
 
 def _process_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system, all its threads) of one process."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return cpu_ticks(stat_fields(pid)) / CLK_TCK
 
 
 def _group_cpu_seconds(pgid: int) -> float:
@@ -121,13 +119,12 @@ def _group_cpu_seconds(pgid: int) -> float:
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+            fields = stat_fields(entry.name)
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # field 5 of stat: the process group
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _CLK_TCK
+        if int(fields[2]) == pgid:  # the process group
+            total += cpu_ticks(fields)
+    return total / CLK_TCK
 
 
 class _Monitor:
