@@ -6,7 +6,7 @@ Used by :mod:`celery_leases.stores.sql`; ``lease_table`` is public there.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.engine import Connection, Dialect, RowMapping
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
@@ -141,6 +141,17 @@ def _added_columns() -> list[sa.Column[Any]]:
     ]
 
 
+def add_column_statements(table: sa.Table, present: Set[str], dialect: Dialect) -> list[str]:
+    """``ALTER TABLE ... ADD COLUMN`` in ``dialect`` for each column added
+    after the first release that is not among the ``present`` column names."""
+    return [
+        f"ALTER TABLE {table.name} ADD COLUMN "
+        f"{sa.schema.CreateColumn(column).compile(dialect=dialect)}"
+        for column in _added_columns()
+        if column.name not in present
+    ]
+
+
 def _missing_columns(conn: Connection, table: sa.Table) -> list[str]:
     """``ALTER TABLE ... ADD COLUMN`` for each column an older table lacks.
 
@@ -148,12 +159,7 @@ def _missing_columns(conn: Connection, table: sa.Table) -> list[str]:
         sqlalchemy.exc.NoSuchTableError: there is no such table.
     """
     present = {c["name"] for c in sa.inspect(conn).get_columns(table.name)}
-    return [
-        f"ALTER TABLE {table.name} ADD COLUMN "
-        f"{sa.schema.CreateColumn(column).compile(dialect=conn.dialect)}"
-        for column in _added_columns()
-        if column.name not in present
-    ]
+    return add_column_statements(table, present, conn.dialect)
 
 
 def _add_missing_columns(conn: Connection, table: sa.Table) -> None:

@@ -89,6 +89,39 @@ def test_the_sql_store_takes_the_migrated_table_as_it_is(django_store: LeaseStor
     assert (lease.state, bytes(lease.outcome)) == ("completed", b"42")
 
 
+def test_the_model_reads_the_task_id_the_store_keeps(django_store: LeaseStore) -> None:
+    django_store.claim("job-4", "owner-4", 30, send_id="send-4", task_id="celery-task-4")
+    lease = Lease.objects.get(task_id="celery-task-4")
+    assert lease.record() == django_store.get("job-4")
+    assert (lease.job_id, lease.record().task_id) == ("job-4", "celery-task-4")
+
+
+def test_the_models_match_their_migrations() -> None:
+    # makemigrations --check exits non-zero when a model has changes that no
+    # migration makes
+    call_command("makemigrations", "celery_leases", "--check", "--dry-run", verbosity=0)
+
+
+def test_migrate_adds_the_task_id_column_a_table_of_an_earlier_version_lacks(
+    fresh_engine: sa.Engine,
+) -> None:
+    create_table(fresh_engine)
+    create_fence_table(fresh_engine)
+    call_command("migrate", "celery_leases", "0001", verbosity=0)
+    try:
+        # the first migration of an earlier version made the table without it
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE celery_leases DROP COLUMN task_id")
+        assert "task_id" not in {name for name, *_ in describe()["celery_leases"]["columns"]}
+    finally:
+        call_command("migrate", "celery_leases", verbosity=0)
+    assert describe() == describe(fresh_engine)
+    # and a table that has it is left as it is
+    call_command("migrate", "celery_leases", "0001", verbosity=0)
+    call_command("migrate", "celery_leases", verbosity=0)
+    assert describe() == describe(fresh_engine)
+
+
 def test_a_django_url_opens_the_database_of_its_alias(django_store: LeaseStore) -> None:
     url = database_url("default")
     if connection.vendor == "sqlite":

@@ -103,10 +103,15 @@ def test_a_forced_release_from_the_admin_fences_the_live_holder_out(
 
 def test_the_admin_shows_leases_read_only(django_store: LeaseStore) -> None:
     django_store.claim("job-shown", "owner", 30, task_name="orders.tasks.charge")
+    django_store.claim("job-other", "owner", 30, task_id="celery-task-other")
     client = Client()
     client.force_login(get_user_model().objects.create_superuser("ops", "o@example.com", "pw"))
     page = client.get("/admin/celery_leases/lease/", {"task_name": "orders.tasks.charge"})
     assert "job-shown" in page.content.decode()
+    assert "job-other" not in page.content.decode()
+    found = client.get("/admin/celery_leases/lease/", {"q": "celery-task-other"}).content.decode()
+    assert "job-other" in found
+    assert "job-shown" not in found
     assert client.get("/admin/celery_leases/lease/add/").status_code == 403
     detail = client.get("/admin/celery_leases/lease/job-shown/change/").content.decode()
     assert 'name="_save"' not in detail

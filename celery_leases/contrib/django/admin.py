@@ -41,11 +41,11 @@ def _operator(request: HttpRequest) -> str:
 
 @admin.register(Lease)
 class LeaseAdmin(admin.ModelAdmin):
-    """Leases: list, filter by state and task, search by job id; force release."""
+    """Leases: list, filter by state and task, search by job id or task id; force release."""
 
     list_display = ("job_id", "state", "task_name", "generation", "owner", "until")
     list_filter = ("state", "task_name")
-    search_fields = ("job_id",)
+    search_fields = ("job_id", "task_id")
     ordering = ("-claimed_at",)
     actions = ("force_release",)
 

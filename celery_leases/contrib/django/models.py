@@ -20,7 +20,7 @@ __all__ = ["ExactTextField", "Fence", "Lease"]
 
 
 class ExactTextField(models.CharField):
-    """A job id, owner, send id or resource: text compared byte for byte.
+    """A job id, owner, send id, task id or resource: text compared byte for byte.
 
     On MySQL and MariaDB the tables keep these columns as ``VARBINARY`` of
     their UTF-8 (their text collations ignore case or trailing spaces), and
@@ -55,6 +55,8 @@ class Lease(models.Model):
     released_at = models.BigIntegerField(null=True)
     released_by = models.CharField(max_length=255, db_default="")
     release_reason = models.TextField(db_default="")
+    #: the Celery task id of the delivery that claimed the job
+    task_id = ExactTextField(max_length=255, db_default="")
 
     class Meta:
         db_table = "celery_leases"
@@ -84,6 +86,7 @@ class Lease(models.Model):
             released_at_ms=self.released_at,
             released_by=self.released_by,
             release_reason=self.release_reason,
+            task_id=self.task_id,
         )
 
 

@@ -15,8 +15,9 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
 from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
+from celery_leases.stores.sql_table import add_column_statements
 
-__all__ = ["create_statements", "drop_statements"]
+__all__ = ["add_column_statements_for", "create_statements", "drop_statements"]
 
 #: Django's connection vendors (MariaDB's too is "mysql") and their dialects
 _DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect, "mysql": mysql.dialect}
@@ -52,6 +53,18 @@ def create_statements(vendor: str) -> list[str]:
             for index in sorted(table.indexes, key=lambda index: str(index.name))
         )
     return statements
+
+
+def add_column_statements_for(vendor: str, present: set[str]) -> list[str]:
+    """``ALTER TABLE ... ADD COLUMN`` text for each column of the lease table
+    that a table made by an earlier version lacks (``present`` are the names
+    of the columns it has), as the SQL store adds them to its own table.
+
+    Raises:
+        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
+    """
+    table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
+    return add_column_statements(table, present, _dialect(vendor))
 
 
 def drop_statements(vendor: str) -> list[str]:
