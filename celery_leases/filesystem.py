@@ -18,6 +18,11 @@ race from both sides:
   until it decodes; one that never does is left in the processed folder
   under a ``.bad`` name and logged, never crashing the worker's loop.
 
+A hidden file whose write failed (a full disk) is removed at once; one left
+by a publisher that died while writing it, which never told anyone the
+message was sent, is removed by the next channel opened on the folder once
+it is :data:`STALE_PART_AGE` old.
+
 Use it by naming it beside the broker URL::
 
     app.conf.broker_url = "filesystem://"
@@ -51,7 +56,7 @@ except ImportError:  # pragma: no cover - Windows
 else:
     _flock = fcntl.flock
 
-__all__ = ["READ_PATIENCE", "TRANSPORT", "Channel", "Transport"]
+__all__ = ["READ_PATIENCE", "STALE_PART_AGE", "TRANSPORT", "Channel", "Transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +66,14 @@ TRANSPORT = "celery_leases.filesystem:Transport"
 #: seconds a consumer reads a taken file again while it is not whole
 READ_PATIENCE = 2.0
 
+#: seconds after which a hidden file still being written is taken for the
+#: leftover of a publisher that died: its write never returned, so its
+#: message was never reported sent (a publisher stopped that long and then
+#: woken finds its file gone, and its publish fails with an error)
+STALE_PART_AGE = 3600.0
+
 _READ_PAUSE = 0.01
+_PART_SUFFIX = ".part"
 
 # kombu's own helpers, typed: its file locks (fcntl or win32) and its JSON
 _lock = cast("Callable[[IO[bytes], int], None]", filesystem.lock)
@@ -77,6 +89,21 @@ def _message_name(queue: str) -> str:
 
 class _StillWritten(Exception):
     """The file's writer held its lock for all of :data:`READ_PATIENCE`."""
+
+
+def _remove_stale_parts(folder: str, older_than: float) -> None:
+    """Remove the hidden files in ``folder`` last written ``older_than`` seconds ago."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(".") and n.endswith(_PART_SUFFIX)]
+    except OSError:
+        return  # a folder that cannot be listed fails the channel's first call
+    cutoff = time.time() - older_than
+    for name in names:
+        path = os.path.join(folder, name)
+        with contextlib.suppress(OSError):  # another channel removed it first
+            if os.stat(path).st_mtime < cutoff:
+                os.remove(path)
+                logger.warning("removed %s, left by a publisher that died while writing", path)
 
 
 def _try_shared_lock(file: IO[bytes]) -> bool:
@@ -132,18 +159,21 @@ class Channel(filesystem.Channel):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         #: files put back while their writer held them: name -> when to look again
         self._look_again: dict[str, float] = {}
+        _remove_stale_parts(self.data_folder_out, STALE_PART_AGE)
 
     # kombu names the argument "payload" here and "message" in its base class
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = _message_name(queue)
         final = os.path.join(self.data_folder_out, name)
         # a hidden name: no queue's consumer matches it while it is written
-        partial = os.path.join(self.data_folder_out, f".{name}.part")
+        partial = os.path.join(self.data_folder_out, f".{name}{_PART_SUFFIX}")
         try:
             with open(partial, "wb") as file:
                 file.write(_dumps(payload).encode("utf-8"))
             os.replace(partial, final)
         except OSError as exc:
+            with contextlib.suppress(OSError):  # the open may have failed before making it
+                os.remove(partial)
             raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
     def _get(self, queue: str, timeout: float | None = None) -> Any:

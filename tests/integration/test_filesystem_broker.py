@@ -262,3 +262,55 @@ def test_a_writer_stopped_while_holding_its_file_stops_no_consumer(
             writer.wait(timeout=10)
         second = queue.get(timeout=5)
         assert second.payload == {"number": 2}
+
+
+def test_a_publish_whose_write_fails_leaves_no_hidden_file(tmp_path: Path) -> None:
+    # a real process whose files may not grow past 2,000 bytes (a full disk,
+    # as the write sees it): the big message is refused with kombu's
+    # ChannelError and its hidden file removed; the next message goes through
+    options = _options(tmp_path)
+    code = (
+        "import resource, signal\n"
+        "from kombu import Connection\n"
+        "from kombu.exceptions import ChannelError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))\n"
+        f"with Connection('filesystem://', transport={TRANSPORT!r},"
+        f" transport_options={options!r}) as connection:\n"
+        f"    queue = connection.SimpleQueue({_queue(options)!r})\n"
+        "    try:\n"
+        "        queue.put({'number': 0, 'padding': 'x' * 10000})\n"
+        "    except ChannelError as exc:\n"
+        "        print('refused:', exc)\n"
+        "    queue.put({'number': 1})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: Cannot add file" in done.stdout
+    assert sorted(os.listdir(options["data_folder_out"])) == _waiting(options)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        message = connection.SimpleQueue(_queue(options)).get(timeout=5)
+        assert message.payload == {"number": 1}
+        message.ack()
+
+
+def test_a_hidden_file_left_by_a_dead_publisher_is_removed_once_stale(tmp_path: Path) -> None:
+    # a publisher killed while writing leaves its hidden file (its publish
+    # never returned); the next channel opened on the folder removes it once
+    # it is STALE_PART_AGE old, and leaves one still being written alone
+    options = _options(tmp_path)
+    folder = Path(options["data_folder_out"])
+    stale = folder / f".1_dead.{_queue(options)}.msg.part"
+    fresh = folder / f".2_writing.{_queue(options)}.msg.part"
+    for path in (stale, fresh):
+        path.write_bytes(b'{"body": ')
+    old = time.time() - whole_files.STALE_PART_AGE - 60
+    os.utime(stale, (old, old))
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        connection.SimpleQueue(_queue(options)).put({"number": 1})
+    assert not stale.exists()
+    assert fresh.exists()
+    assert len(_waiting(options)) == 1
