@@ -16,6 +16,7 @@ from celery_leases.stores.base import LeaseStore
 __all__ = [
     "LeaseStore",
     "StoreOpener",
+    "is_redis_url",
     "is_sql_url",
     "open_store",
     "register_scheme",
@@ -29,6 +30,11 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 _MYSQL_SCHEMES = ("mysql", "mysql+pymysql", "mariadb", "mariadb+pymysql")
 _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite", *_MYSQL_SCHEMES)
+
+
+def is_redis_url(url: str) -> bool:
+    """Whether ``url`` names a Redis lease store (one server, Sentinel or Cluster)."""
+    return url.split("://", 1)[0].lower() in (*_REDIS_SCHEMES, *_CLUSTER_SCHEMES)
 
 
 def is_sql_url(url: str) -> bool:
