@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
+from celery_leases.errors import LeaseConfigurationError
+from celery_leases.green_pools import green_pool
 from celery_leases.runtime import forget_runtime, settings_for
 from celery_leases.stores import is_redis_url
 
-__all__ = ["DEFAULT_CONNECTIONS", "SPARE_CONNECTIONS", "size_task_pool"]
+__all__ = ["DEFAULT_CONNECTIONS", "SPARE_CONNECTIONS", "most_tasks", "size_task_pool"]
 
 logger = logging.getLogger("celery_leases")
 
@@ -29,47 +32,65 @@ DEFAULT_CONNECTIONS = 100
 #: connections beyond one per task: store calls a task does not make itself
 #: (a forced release, an operator's read in the same process)
 SPARE_CONNECTIONS = 8
-#: pools whose tasks all run in the worker's own process
-_ONE_PROCESS_POOLS = ("thread", "gevent", "eventlet")
 
 
-def size_task_pool(app: Any, pool: str, concurrency: int) -> str | None:
-    """Give the Redis store of ``app`` a task pool as wide as ``concurrency``.
+def most_tasks(concurrency: int, autoscale: object = None) -> int:
+    """The most tasks a worker runs at once: ``-c``, or ``--autoscale``'s
+    maximum (``"10,3"`` or ``(10, 3)``, as Celery's pool step reads it) when larger."""
+    if isinstance(autoscale, list | tuple):
+        autoscale = autoscale[0] if autoscale else None
+    most = str(autoscale).partition(",")[0].strip() if autoscale else ""
+    # a bad --autoscale is Celery's pool step's to report
+    return max(concurrency, int(most)) if most.isdigit() else concurrency
+
+
+def _in_url(url: str) -> int | str | None:
+    """The ``max_connections`` a Redis URL's query gives (redis-py reads it over the options)."""
+    values = parse_qs(urlsplit(url.split(";", 1)[0]).query).get("max_connections")
+    if not values:
+        return None
+    return int(values[-1]) if values[-1].isdigit() else values[-1]
+
+
+def size_task_pool(app: Any, pool: str, tasks: int) -> str | None:
+    """Give the Redis store of ``app`` a task pool as wide as ``tasks``.
 
     Args:
         pool: the worker's pool class name or alias.
-        concurrency: the worker's ``-c``.
+        tasks: the most tasks the worker runs at once (:func:`most_tasks`).
 
     Returns:
-        A warning when ``max_connections`` is set below the concurrency.
-
-    Raises:
-        LeaseConfigurationError: a ``leases_*`` setting is invalid.
+        A warning when ``max_connections`` is set below ``tasks``.
     """
-    if not any(kind in pool.lower() for kind in _ONE_PROCESS_POOLS):
-        return None
-    settings = settings_for(app)
+    if "thread" not in pool.lower() and green_pool(pool) is None:
+        return None  # a task per process at a time
+    try:
+        settings = settings_for(app)
+    except LeaseConfigurationError:
+        return None  # the start check names the mistake
     if not is_redis_url(settings.store_url):
         return None
     options = dict(settings.store_options)
-    given = options.get("max_connections")
+    given = _in_url(settings.store_url)
     if given is None:
-        wanted = concurrency + SPARE_CONNECTIONS
+        given = options.get("max_connections")
+    if given is None:
+        wanted = tasks + SPARE_CONNECTIONS
         if wanted > DEFAULT_CONNECTIONS:
             app.conf.leases_store_options = {**options, "max_connections": wanted}
             forget_runtime(app)  # the store opens with the new option
             logger.info(
                 "celery-leases: the Redis lease store's task pool gets max_connections=%d "
-                "(one connection per task of this %s worker, and %d more)",
-                wanted, pool, SPARE_CONNECTIONS,
+                "(one connection per task this worker runs at once, and %d more)",
+                wanted, SPARE_CONNECTIONS,
             )  # fmt: skip
         return None
-    if isinstance(given, int) and not isinstance(given, bool) and given < concurrency:
+    if isinstance(given, int) and not isinstance(given, bool) and given < tasks:
         return (
-            f"leases_store_options sets max_connections={given}, below the worker's "
-            f"concurrency ({concurrency}): when more tasks than that talk to the Redis "
+            f"the lease store sets max_connections={given}, below the worker's "
+            f"concurrency ({tasks}): when more tasks than that talk to the Redis "
             "lease store at once, the claims beyond it are deferred as if the store were "
-            f"down. Leave max_connections out (the worker then uses {concurrency} + "
+            f"down. Leave max_connections out (the worker then uses {tasks} + "
             f"{SPARE_CONNECTIONS}) or raise it."
         )
     return None

@@ -44,7 +44,7 @@ from celery_leases.broker_visibility import enable
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
 from celery_leases.metrics import install_metrics, serve_metrics
-from celery_leases.pool_sizing import size_task_pool
+from celery_leases.pool_sizing import most_tasks, size_task_pool
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import (
     add_bind_hook,
@@ -154,7 +154,8 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             forget_runtime(app)  # settings read before the options must be read again
         pool = str(getattr(parent, "pool_cls", "") or kwargs.get("pool", "") or "")
         try:
-            widen = size_task_pool(app, pool, int(getattr(parent, "concurrency", 0) or 0))
+            tasks = most_tasks(int(parent.concurrency or 0), kwargs.get("autoscale"))
+            widen = size_task_pool(app, pool, tasks)
             warnings = check_app(app, pool=pool) + ([widen] if widen else [])
             # before the pool starts, and before the banner that shows the port
             metrics_url = serve_metrics(app)

@@ -120,3 +120,13 @@ def test_a_green_worker_with_lease_on_lost_raise_stops_at_start(
     assert "Traceback" not in log  # one line says what to change
     assert f"the {pool} pool cannot honour" in log
     assert "lease_on_lost='flag'" in log
+
+
+def test_an_autoscaled_worker_sizes_the_store_pool_to_its_maximum(
+    cluster: Cluster, pool: str
+) -> None:
+    # -c 2, but --autoscale lets the pool grow to 150 greenlets: the store's
+    # task pool is sized to that maximum before the first task
+    worker = cluster.worker("wide", pool=pool, concurrency=2, extra_args=("--autoscale", "150,2"))
+    assert "gets max_connections=158" in worker.log()
+    assert cluster.send(STEPS, 0.1).get(timeout=30)["generation"] > 0

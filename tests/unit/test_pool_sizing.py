@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from celery_leases.pool_sizing import SPARE_CONNECTIONS, size_task_pool
+from celery_leases.pool_sizing import SPARE_CONNECTIONS, most_tasks, size_task_pool
 from celery_leases.runtime import settings_for
 from celery_leases.task import forget_runtime
 
@@ -70,3 +70,47 @@ def test_a_pool_size_the_user_set_is_kept_and_one_too_small_named(app: Celery) -
     forget_runtime(app)
     assert size_task_pool(app, "threads", 200) is None
     assert dict(app.conf.leases_store_options) == {"max_connections": 300}
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "autoscale", "expected"),
+    [
+        (8, None, 8),
+        (8, "500,10", 500),  # --autoscale as the command line gives it
+        (8, (500, 10), 500),
+        (8, [500, 10], 500),
+        (600, "500,10", 600),
+        (8, "not,a number", 8),  # Celery's pool step says what is wrong
+        (8, (), 8),
+    ],
+)
+def test_autoscale_s_maximum_counts_as_the_worker_s_tasks(
+    concurrency: int, autoscale: object, expected: int
+) -> None:
+    assert most_tasks(concurrency, autoscale) == expected
+
+
+def test_a_pool_size_in_the_url_is_kept_and_one_too_small_named(app: Celery) -> None:
+    # redis-py reads the URL's max_connections over the options
+    app.conf.leases_store = "redis://127.0.0.1:1/0?max_connections=50"
+    warning = size_task_pool(app, "threads", 200)
+    assert warning is not None
+    assert "max_connections=50, below the worker's concurrency (200)" in warning
+    assert dict(app.conf.leases_store_options) == {"prefix": "x:"}
+
+
+def test_a_setting_mistake_is_left_to_the_start_check_s_message(app: Celery) -> None:
+    # the start check names the mistake with its "did you mean" hint
+    del app.conf["leases_store"]
+    app.conf.leases_stor = "redis://127.0.0.1:1/0"
+    assert size_task_pool(app, "threads", 500) is None
+    assert dict(app.conf.leases_store_options) == {"prefix": "x:"}
+
+
+def test_a_pool_patched_by_gevent_counts_as_one_process(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a custom pool class whose name says nothing, in a gevent-patched process
+    monkeypatch.setattr("celery_leases.unpatched.green_library", lambda: "gevent")
+    size_task_pool(app, "<class 'proj.pools.Pool'>", 500)
+    assert app.conf.leases_store_options["max_connections"] == 500 + SPARE_CONNECTIONS
