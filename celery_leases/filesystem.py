@@ -18,7 +18,7 @@ race from both sides:
   until it decodes; one that never does is left in the processed folder
   under a ``.bad`` name and logged, never crashing the worker's loop.
 
-A hidden file whose write failed (a full disk) is removed at once; one left
+A hidden file whose write failed (a full disk, an interrupt) is removed at once; one left
 by a publisher that died while writing it, which never told anyone the
 message was sent, is removed by the next channel opened on the folder once
 it is :data:`STALE_PART_AGE` old.
@@ -167,14 +167,18 @@ class Channel(filesystem.Channel):
         final = os.path.join(self.data_folder_out, name)
         # a hidden name: no queue's consumer matches it while it is written
         partial = os.path.join(self.data_folder_out, f".{name}{_PART_SUFFIX}")
+        data = _dumps(payload).encode("utf-8")  # a payload that does not encode makes no file
         try:
             with open(partial, "wb") as file:
-                file.write(_dumps(payload).encode("utf-8"))
+                file.write(data)
             os.replace(partial, final)
-        except OSError as exc:
+        except BaseException as exc:
+            # a full disk, or a timeout or interrupt raised in the write
             with contextlib.suppress(OSError):  # the open may have failed before making it
                 os.remove(partial)
-            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+            if isinstance(exc, OSError):
+                raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+            raise
 
     def _get(self, queue: str, timeout: float | None = None) -> Any:
         wanted = f"{queue}.msg"

@@ -314,3 +314,49 @@ def test_a_hidden_file_left_by_a_dead_publisher_is_removed_once_stale(tmp_path: 
     assert not stale.exists()
     assert fresh.exists()
     assert len(_waiting(options)) == 1
+
+
+def test_a_payload_that_does_not_encode_leaves_no_file(tmp_path: Path) -> None:
+    options = _options(tmp_path)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        with pytest.raises(TypeError):
+            queue.put({"number": 1}, headers={"not json": object()})
+    assert os.listdir(options["data_folder_out"]) == []
+
+
+def test_an_interrupt_during_the_write_leaves_no_hidden_file(tmp_path: Path) -> None:
+    # a real SIGALRM whose handler raises lands in the write of a large
+    # message (a gevent Timeout or a KeyboardInterrupt does the same)
+    options = _options(tmp_path)
+    code = (
+        "import signal, time\n"
+        "from kombu import Connection\n"
+        "from kombu.utils import json as kombu_json\n"
+        "class Interrupted(BaseException): pass\n"
+        "def interrupt(*_): raise Interrupted()\n"
+        "signal.signal(signal.SIGALRM, interrupt)\n"
+        f"with Connection('filesystem://', transport={TRANSPORT!r},"
+        f" transport_options={options!r}) as connection:\n"
+        f"    queue = connection.SimpleQueue({_queue(options)!r})\n"
+        "    big = 'x' * 20_000_000\n"
+        "    started = time.perf_counter()\n"
+        "    kombu_json.dumps({'body': big})\n"
+        "    encoded = time.perf_counter() - started\n"
+        "    interrupted = 0\n"
+        "    for attempt in range(40):  # from the end of the encoding on, into the write\n"
+        "        signal.setitimer(signal.ITIMER_REAL, encoded * (1 + attempt / 10))\n"
+        "        try:\n"
+        "            queue.put({'padding': big})\n"
+        "        except Interrupted:\n"
+        "            interrupted += 1\n"
+        "        signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "    print('interrupted', interrupted)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) > 0, "no put was interrupted"
+    assert [n for n in os.listdir(options["data_folder_out"]) if n.endswith(".part")] == []
