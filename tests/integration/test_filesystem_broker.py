@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,23 @@ def _publisher(options: dict[str, Any], transport: str | None) -> subprocess.Pop
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+
+def _run_with_queue(options: dict[str, Any], setup: str, body: str, timeout: float) -> str:
+    """Run ``setup``, then ``body`` with ``queue`` on the test's queue (this
+    transport), in a process of its own; its output."""
+    code = (
+        f"{setup}from kombu import Connection\n"
+        f"with Connection('filesystem://', transport={TRANSPORT!r},"
+        f" transport_options={options!r}) as connection:\n"
+        f"    queue = connection.SimpleQueue({_queue(options)!r})\n" + textwrap.indent(body, "    ")
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _consume_all(
@@ -269,27 +287,20 @@ def test_a_publish_whose_write_fails_leaves_no_hidden_file(tmp_path: Path) -> No
     # as the write sees it): the big message is refused with kombu's
     # ChannelError and its hidden file removed; the next message goes through
     options = _options(tmp_path)
-    code = (
+    setup = (
         "import resource, signal\n"
-        "from kombu import Connection\n"
         "from kombu.exceptions import ChannelError\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))\n"
-        f"with Connection('filesystem://', transport={TRANSPORT!r},"
-        f" transport_options={options!r}) as connection:\n"
-        f"    queue = connection.SimpleQueue({_queue(options)!r})\n"
-        "    try:\n"
-        "        queue.put({'number': 0, 'padding': 'x' * 10000})\n"
-        "    except ChannelError as exc:\n"
-        "        print('refused:', exc)\n"
-        "    queue.put({'number': 1})\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    body = (
+        "try:\n"
+        "    queue.put({'number': 0, 'padding': 'x' * 10000})\n"
+        "except ChannelError as exc:\n"
+        "    print('refused:', exc)\n"
+        "queue.put({'number': 1})\n"
     )
-    assert done.returncode == 0, done.stderr
-    assert "refused: Cannot add file" in done.stdout
+    assert "refused: Cannot add file" in _run_with_queue(options, setup, body, timeout=60)
     assert sorted(os.listdir(options["data_folder_out"])) == _waiting(options)
     with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
         message = connection.SimpleQueue(_queue(options)).get(timeout=5)
@@ -329,34 +340,28 @@ def test_an_interrupt_during_the_write_leaves_no_hidden_file(tmp_path: Path) -> 
     # a real SIGALRM whose handler raises lands in the write of a large
     # message (a gevent Timeout or a KeyboardInterrupt does the same)
     options = _options(tmp_path)
-    code = (
+    setup = (
         "import signal, time\n"
-        "from kombu import Connection\n"
         "from kombu.utils import json as kombu_json\n"
         "class Interrupted(BaseException): pass\n"
         "def interrupt(*_): raise Interrupted()\n"
         "signal.signal(signal.SIGALRM, interrupt)\n"
-        f"with Connection('filesystem://', transport={TRANSPORT!r},"
-        f" transport_options={options!r}) as connection:\n"
-        f"    queue = connection.SimpleQueue({_queue(options)!r})\n"
-        "    big = 'x' * 20_000_000\n"
-        "    started = time.perf_counter()\n"
-        "    kombu_json.dumps({'body': big})\n"
-        "    encoded = time.perf_counter() - started\n"
-        "    interrupted = 0\n"
-        "    for attempt in range(40):  # from the end of the encoding on, into the write\n"
-        "        signal.setitimer(signal.ITIMER_REAL, encoded * (1 + attempt / 10))\n"
-        "        try:\n"
-        "            queue.put({'padding': big})\n"
-        "        except Interrupted:\n"
-        "            interrupted += 1\n"
-        "        signal.setitimer(signal.ITIMER_REAL, 0)\n"
-        "    print('interrupted', interrupted)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    body = (
+        "big = 'x' * 8_000_000\n"
+        "started = time.perf_counter()\n"
+        "kombu_json.dumps({'body': big})\n"
+        "encoded = time.perf_counter() - started\n"
+        "interrupted = 0\n"
+        "for attempt in range(40):  # from the end of the encoding on, into the write\n"
+        "    signal.setitimer(signal.ITIMER_REAL, encoded * (1 + attempt / 10))\n"
+        "    try:\n"
+        "        queue.put({'padding': big})\n"
+        "    except Interrupted:\n"
+        "        interrupted += 1\n"
+        "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "print('interrupted', interrupted)\n"
     )
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout.split()[-1]) > 0, "no put was interrupted"
+    output = _run_with_queue(options, setup, body, timeout=120)
+    assert int(output.split()[-1]) > 0, "no put was interrupted"
     assert [n for n in os.listdir(options["data_folder_out"]) if n.endswith(".part")] == []
