@@ -232,18 +232,34 @@ def _sqlite_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
     )
 
 
+#: per dialect, the statements that make DDL on a lease table take turns
+#: (the lock named by ddl_lock_name, bound as :name) and that end it; None
+#: where the transaction does. PostgreSQL: two processes creating the table
+#: at once both pass checkfirst and one fails on the catalog's unique index,
+#: so a transaction-scoped advisory lock makes them take turns. SQLite:
+#: BEGIN IMMEDIATE already holds the write lock. MySQL: DDL commits at once,
+#: so no lock of a transaction outlives it; a named lock of the session
+#: does, until RELEASE_LOCK. Each taking statement answers 1 once it holds it.
+_POSTGRES_DDL_LOCK = "SELECT 1 FROM pg_advisory_xact_lock(hashtext(:name))"
+_MYSQL_DDL_LOCK = "SELECT GET_LOCK(:name, 30)"
+_MYSQL_DDL_UNLOCK = "SELECT RELEASE_LOCK(:name)"
+DDL_LOCKS: dict[str, tuple[str | None, str | None]] = {
+    "postgresql": (_POSTGRES_DDL_LOCK, None),
+    "sqlite": (None, None),
+    "mysql": (_MYSQL_DDL_LOCK, _MYSQL_DDL_UNLOCK),
+}
+
+
+def ddl_lock_name(table_name: str) -> str:
+    """The name of the lock that serializes DDL on lease table ``table_name``."""
+    return f"celery_leases:{table_name}"
+
+
 def _postgres_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    # Two processes creating the table at once both pass checkfirst and one
-    # fails on the catalog's unique index; a transaction-scoped advisory
-    # lock on the table name makes them take turns.
-    conn.execute(
-        sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
-        {"name": f"celery_leases:{table_name}"},
-    )
+    conn.execute(sa.text(_POSTGRES_DDL_LOCK), {"name": ddl_lock_name(table_name)})
 
 
 def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    # BEGIN IMMEDIATE already holds the write lock: nothing else to take.
     return None
 
 
@@ -253,11 +269,7 @@ def _no_unlock(conn: Connection, table_name: str) -> None:
 
 
 def _mysql_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    # DDL commits at once in MySQL, so no lock of a transaction outlives it;
-    # a named lock of the session does, until RELEASE_LOCK.
-    got = conn.execute(
-        sa.text("SELECT GET_LOCK(:name, 30)"), {"name": f"celery_leases:{table_name}"}
-    ).scalar()
+    got = conn.execute(sa.text(_MYSQL_DDL_LOCK), {"name": ddl_lock_name(table_name)}).scalar()
     if got != 1:
         raise LeaseConfigurationError(
             f"could not take the lock that serializes creating the lease table "
@@ -266,7 +278,7 @@ def _mysql_lock_for_ddl(conn: Connection, table_name: str) -> None:
 
 
 def _mysql_unlock_for_ddl(conn: Connection, table_name: str) -> None:
-    conn.execute(sa.text("SELECT RELEASE_LOCK(:name)"), {"name": f"celery_leases:{table_name}"})
+    conn.execute(sa.text(_MYSQL_DDL_UNLOCK), {"name": ddl_lock_name(table_name)})
 
 
 def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:

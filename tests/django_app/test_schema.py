@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,15 +10,19 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from django import db
 from django.core.management import call_command
 from django.db import connection
 
 from celery_leases.contrib.django.models import Lease
+from celery_leases.contrib.django.schema import ddl_lock_for
 from celery_leases.contrib.django.store import database_url
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import create_fence_table
 from celery_leases.stores import LeaseStore, open_store
-from celery_leases.stores.sql import SqlStore, create_table
+from celery_leases.stores.sql import SqlStore, create_table, lease_table
+from celery_leases.stores.sql_engine import dialect_for
+from celery_leases.stores.sql_table import _add_missing_columns
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -119,6 +124,57 @@ def test_migrate_adds_the_task_id_column_a_table_of_an_earlier_version_lacks(
     # and a table that has it is left as it is
     call_command("migrate", "celery_leases", "0001", verbosity=0)
     call_command("migrate", "celery_leases", verbosity=0)
+    assert describe() == describe(fresh_engine)
+
+
+def test_migrate_takes_turns_with_a_store_adding_the_same_columns(
+    fresh_engine: sa.Engine,
+) -> None:
+    # a SQL store adding the columns an older table lacks holds a lock
+    # (PostgreSQL: advisory, MySQL: named) while it looks and adds; the
+    # migration waits for it instead of finding task_id missing at the same
+    # moment and failing on a duplicate column
+    if connection.vendor == "sqlite":
+        # its writes take turns by themselves: the migration takes no lock
+        assert ddl_lock_for("sqlite")[:2] == (None, None)
+        return
+    create_table(fresh_engine)
+    create_fence_table(fresh_engine)
+    call_command("migrate", "celery_leases", "0001", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE celery_leases DROP COLUMN task_id")
+    engine = sa.create_engine(database_url())
+    migrated = threading.Event()
+    failures: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            call_command("migrate", "celery_leases", verbosity=0)
+        except BaseException as exc:  # reported by the test's thread
+            failures.append(exc)
+        finally:
+            db.connections.close_all()
+            migrated.set()
+
+    try:
+        with engine.connect() as store_side:
+            dialect = dialect_for(engine, None)
+            store_side.begin()
+            dialect.lock_for_ddl(store_side, "celery_leases")
+            thread = threading.Thread(target=migrate)
+            thread.start()
+            assert not migrated.wait(1.0), "migrate did not wait for the store's lock"
+            # the store adds the column under its lock, as create_table does
+            _add_missing_columns(store_side, lease_table(sa.MetaData()))
+            dialect.unlock_for_ddl(store_side, "celery_leases")
+            store_side.commit()
+        assert migrated.wait(30)
+        thread.join(30)
+    finally:
+        engine.dispose()
+        if not migrated.is_set():
+            call_command("migrate", "celery_leases", verbosity=0)
+    assert failures == []
     assert describe() == describe(fresh_engine)
 
 

@@ -15,9 +15,9 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
 from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
-from celery_leases.stores.sql_table import add_column_statements
+from celery_leases.stores.sql_table import DDL_LOCKS, add_column_statements, ddl_lock_name
 
-__all__ = ["add_column_statements_for", "create_statements", "drop_statements"]
+__all__ = ["add_column_statements_for", "create_statements", "ddl_lock_for", "drop_statements"]
 
 #: Django's connection vendors (MariaDB's too is "mysql") and their dialects
 _DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect, "mysql": mysql.dialect}
@@ -65,6 +65,25 @@ def add_column_statements_for(vendor: str, present: set[str]) -> list[str]:
     """
     table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
     return add_column_statements(table, present, _dialect(vendor))
+
+
+def ddl_lock_for(vendor: str) -> tuple[str | None, str | None, str]:
+    """The statements (with one ``%s`` for the name) that take and end the
+    lock the SQL store holds while it adds columns to the lease table, and
+    the lock's name: a migration doing the same work takes turns with it.
+    The taking statement answers 1 once it holds the lock; ``None`` where the
+    database needs no lock (SQLite's writes take turns by themselves).
+
+    Raises:
+        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
+    """
+    _dialect(vendor)
+    take, end = DDL_LOCKS[vendor]
+    return (
+        take and take.replace(":name", "%s"),
+        end and end.replace(":name", "%s"),
+        ddl_lock_name(DEFAULT_TABLE_NAME),
+    )
 
 
 def drop_statements(vendor: str) -> list[str]:

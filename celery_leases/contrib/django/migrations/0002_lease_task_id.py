@@ -7,18 +7,34 @@ from typing import Any
 from django.db import migrations
 
 import celery_leases.contrib.django.models
-from celery_leases.contrib.django.schema import add_column_statements_for
+from celery_leases.contrib.django.schema import add_column_statements_for, ddl_lock_for
+from celery_leases.errors import LeaseConfigurationError
 
 
 def _add_missing_columns(apps: Any, schema_editor: Any) -> None:
     connection = schema_editor.connection
+    # under the lock a SQL store takes to add the same columns to the same
+    # table, so the two never both find a column missing
+    take, end, name = ddl_lock_for(connection.vendor)
     with connection.cursor() as cursor:
-        present = {
-            column.name
-            for column in connection.introspection.get_table_description(cursor, "celery_leases")
-        }
-    for statement in add_column_statements_for(connection.vendor, present):
-        schema_editor.execute(statement)
+        if take is not None:
+            cursor.execute(take, [name])
+            if cursor.fetchone()[0] != 1:
+                raise LeaseConfigurationError(
+                    f"could not take the lock {name!r} within 30 s; another process holds it"
+                )
+        try:
+            present = {
+                column.name
+                for column in connection.introspection.get_table_description(
+                    cursor, "celery_leases"
+                )
+            }
+            for statement in add_column_statements_for(connection.vendor, present):
+                schema_editor.execute(statement)
+        finally:
+            if end is not None:
+                cursor.execute(end, [name])
 
 
 class Migration(migrations.Migration):
