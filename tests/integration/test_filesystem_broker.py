@@ -53,34 +53,32 @@ def _queue(options: dict[str, Any]) -> str:
     return "q-" + Path(options["data_folder_in"]).parent.name
 
 
-def _publisher(options: dict[str, Any], transport: str | None) -> subprocess.Popen[bytes]:
-    """A process that puts :data:`MESSAGES` numbered messages on the test's queue."""
+def _queue_process(
+    options: dict[str, Any], body: str, *, setup: str = "", transport: str | None = TRANSPORT
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a process that runs ``setup``, then
+    ``body`` with ``queue`` on the test's queue over ``transport`` (None: kombu's own)."""
     code = (
-        "import sys\n"
-        "from kombu import Connection\n"
+        f"{setup}from kombu import Connection\n"
         f"with Connection('filesystem://', transport={transport!r},"
         f" transport_options={options!r}) as connection:\n"
-        f"    queue = connection.SimpleQueue({_queue(options)!r})\n"
-        f"    for number in range({MESSAGES}):\n"
-        "        queue.put({'number': number})\n"
+        f"    queue = connection.SimpleQueue({_queue(options)!r})\n" + textwrap.indent(body, "    ")
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.Popen([sys.executable, "-c", code], env=env)
+    return [sys.executable, "-c", code], {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _publisher(options: dict[str, Any], transport: str | None) -> subprocess.Popen[bytes]:
+    """A process that puts :data:`MESSAGES` numbered messages on the test's queue."""
+    body = f"for number in range({MESSAGES}):\n    queue.put({{'number': number}})\n"
+    args, env = _queue_process(options, body, transport=transport)
+    return subprocess.Popen(args, env=env)
 
 
 def _run_with_queue(options: dict[str, Any], setup: str, body: str, timeout: float) -> str:
     """Run ``setup``, then ``body`` with ``queue`` on the test's queue (this
     transport), in a process of its own; its output."""
-    code = (
-        f"{setup}from kombu import Connection\n"
-        f"with Connection('filesystem://', transport={TRANSPORT!r},"
-        f" transport_options={options!r}) as connection:\n"
-        f"    queue = connection.SimpleQueue({_queue(options)!r})\n" + textwrap.indent(body, "    ")
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    args, env = _queue_process(options, body, setup=setup)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
