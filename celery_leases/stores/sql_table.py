@@ -268,13 +268,22 @@ def _no_unlock(conn: Connection, table_name: str) -> None:
     return None
 
 
-def _mysql_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    got = conn.execute(sa.text(_MYSQL_DDL_LOCK), {"name": ddl_lock_name(table_name)}).scalar()
-    if got != 1:
+def check_ddl_lock_taken(answer: object, table_name: str) -> None:
+    """Refuse to go on unless a DDL_LOCKS taking statement answered 1.
+
+    Raises:
+        LeaseConfigurationError: the lock was not taken within 30 s.
+    """
+    if answer != 1:
         raise LeaseConfigurationError(
             f"could not take the lock that serializes creating the lease table "
             f"{table_name!r} within 30 s; another process holds it"
         )
+
+
+def _mysql_lock_for_ddl(conn: Connection, table_name: str) -> None:
+    got = conn.execute(sa.text(_MYSQL_DDL_LOCK), {"name": ddl_lock_name(table_name)}).scalar()
+    check_ddl_lock_taken(got, table_name)
 
 
 def _mysql_unlock_for_ddl(conn: Connection, table_name: str) -> None:

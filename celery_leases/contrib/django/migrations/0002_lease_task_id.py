@@ -8,7 +8,7 @@ from django.db import migrations
 
 import celery_leases.contrib.django.models
 from celery_leases.contrib.django.schema import add_column_statements_for, ddl_lock_for
-from celery_leases.errors import LeaseConfigurationError
+from celery_leases.stores.sql_table import DEFAULT_TABLE_NAME, check_ddl_lock_taken
 
 
 def _add_missing_columns(apps: Any, schema_editor: Any) -> None:
@@ -19,15 +19,12 @@ def _add_missing_columns(apps: Any, schema_editor: Any) -> None:
     with connection.cursor() as cursor:
         if take is not None:
             cursor.execute(take, [name])
-            if cursor.fetchone()[0] != 1:
-                raise LeaseConfigurationError(
-                    f"could not take the lock {name!r} within 30 s; another process holds it"
-                )
+            check_ddl_lock_taken(cursor.fetchone()[0], DEFAULT_TABLE_NAME)
         try:
             present = {
                 column.name
                 for column in connection.introspection.get_table_description(
-                    cursor, "celery_leases"
+                    cursor, DEFAULT_TABLE_NAME
                 )
             }
             for statement in add_column_statements_for(connection.vendor, present):
