@@ -52,6 +52,30 @@ def _in_url(url: str) -> int | str | None:
     return int(values[-1]) if values[-1].isdigit() else values[-1]
 
 
+def _set_options(app: Any, options: dict[str, Any]) -> bool:
+    """Set ``leases_store_options`` to ``options`` where ``app`` reads it; whether it does now.
+
+    Celery reads a key with the app's namespace (``CELERY_LEASES_STORE_OPTIONS``)
+    before the bare one, so a value set directly under that name hides the bare
+    key: then it is replaced too.
+    """
+    app.conf.leases_store_options = options
+    forget_runtime(app)  # the store opens with the new options
+    if _reads(app) == options:
+        return True
+    namespace = getattr(app, "namespace", None)
+    if not namespace:
+        return False
+    key = f"{namespace.rstrip('_')}_leases_store_options"
+    app.conf[key.upper() if namespace.isupper() else key] = options
+    forget_runtime(app)
+    return _reads(app) == options
+
+
+def _reads(app: Any) -> dict[str, Any]:
+    return dict(settings_for(app).store_options)
+
+
 def size_task_pool(app: Any, pool: str, tasks: int) -> str | None:
     """Give the Redis store of ``app`` a task pool as wide as ``tasks``.
 
@@ -77,8 +101,14 @@ def size_task_pool(app: Any, pool: str, tasks: int) -> str | None:
     if given is None:
         wanted = tasks + SPARE_CONNECTIONS
         if wanted > DEFAULT_CONNECTIONS:
-            app.conf.leases_store_options = {**options, "max_connections": wanted}
-            forget_runtime(app)  # the store opens with the new option
+            if not _set_options(app, {**options, "max_connections": wanted}):
+                return (
+                    f"could not give the Redis lease store's task pool max_connections="
+                    f"{wanted}: the configuration keeps reading leases_store_options from "
+                    "another key. Set max_connections in leases_store_options yourself, "
+                    "or the claims beyond redis-py's 100 connections are deferred as if "
+                    "the store were down."
+                )
             logger.info(
                 "celery-leases: the Redis lease store's task pool gets max_connections=%d "
                 "(one connection per task this worker runs at once, and %d more)",

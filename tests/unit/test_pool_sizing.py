@@ -36,6 +36,45 @@ def test_a_one_process_pool_wider_than_redis_py_s_pool_widens_it(app: Celery, po
     assert settings_for(app).store_options["max_connections"] == 500 + SPARE_CONNECTIONS
 
 
+@pytest.mark.parametrize("namespace", ["CELERY", "celery"])
+def test_options_set_under_the_app_s_namespace_are_widened_where_they_are_read(
+    namespace: str,
+) -> None:
+    app = Celery("sizing", set_as_current=False)
+    app.config_from_object({}, namespace=namespace)
+    assert app.conf.broker_url is None  # the configuration is read: the namespace applies
+    key = f"{namespace}_leases_store_options"
+    key = key.upper() if namespace.isupper() else key
+    # set directly under the namespaced name, which Celery reads before the bare one
+    app.conf[key] = {"prefix": "x:"}
+    app.conf.leases_store = "redis://127.0.0.1:1/0"
+    try:
+        assert size_task_pool(app, "threads", 500) is None
+        wanted = {"prefix": "x:", "max_connections": 500 + SPARE_CONNECTIONS}
+        assert settings_for(app).store_options == wanted
+        assert app.conf[key] == wanted
+    finally:
+        forget_runtime(app)
+        app.close()
+
+
+def test_options_it_cannot_replace_are_named_in_a_warning() -> None:
+    app = Celery("sizing", set_as_current=False)
+    app.config_from_object({}, namespace="CELERY")
+    assert app.conf.broker_url is None  # the configuration is read: the namespace applies
+    app.conf.CELERY_LEASES_STORE_OPTIONS = {"prefix": "x:"}
+    app.conf.leases_store = "redis://127.0.0.1:1/0"
+    app.namespace = None  # the configuration still reads the namespaced key first
+    try:
+        warning = size_task_pool(app, "threads", 500)
+        assert warning is not None
+        assert "could not give the Redis lease store's task pool max_connections=508" in warning
+        assert dict(settings_for(app).store_options) == {"prefix": "x:"}
+    finally:
+        forget_runtime(app)
+        app.close()
+
+
 @pytest.mark.parametrize(
     ("url", "pool", "concurrency"),
     [
