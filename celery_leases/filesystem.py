@@ -21,7 +21,8 @@ race from both sides:
 A hidden file whose write failed (a full disk, an interrupt) is removed at once; one left
 by a publisher that died while writing it, which never told anyone the
 message was sent, is removed by the next channel opened on the folder once
-it is :data:`STALE_PART_AGE` old.
+it is :data:`STALE_PART_AGE` old by the clock that stamps the folder's files
+(a file server's, on a shared folder), not this host's.
 
 Use it by naming it beside the broker URL::
 
@@ -74,6 +75,9 @@ STALE_PART_AGE = 3600.0
 
 _READ_PAUSE = 0.01
 _PART_SUFFIX = ".part"
+#: the hidden file that reads the folder's clock (removed at once)
+_CLOCK_SUFFIX = ".clock"
+_LEFT_SUFFIXES = (_PART_SUFFIX, _CLOCK_SUFFIX)
 
 # kombu's own helpers, typed: its file locks (fcntl or win32) and its JSON
 _lock = cast("Callable[[IO[bytes], int], None]", filesystem.lock)
@@ -91,19 +95,44 @@ class _StillWritten(Exception):
     """The file's writer held its lock for all of :data:`READ_PATIENCE`."""
 
 
-def _remove_stale_parts(folder: str, older_than: float) -> None:
-    """Remove the hidden files in ``folder`` last written ``older_than`` seconds ago."""
+def _folder_now(folder: str) -> float | None:
+    """The time by the clock that stamps ``folder``'s files: a new file's mtime.
+
+    On a folder shared over the network the file server stamps the files,
+    and this host's clock may be far from its clock. None when no file can
+    be made there (then nothing there can be removed either).
+    """
     try:
-        names = [n for n in os.listdir(folder) if n.startswith(".") and n.endswith(_PART_SUFFIX)]
+        fd, path = tempfile.mkstemp(prefix=".", suffix=_CLOCK_SUFFIX, dir=folder)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _remove_stale_parts(folder: str, older_than: float) -> None:
+    """Remove the hidden files in ``folder`` last written ``older_than`` seconds ago,
+    by the folder's own clock."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(".") and n.endswith(_LEFT_SUFFIXES)]
     except OSError:
         return  # a folder that cannot be listed fails the channel's first call
-    cutoff = time.time() - older_than
+    if not names:
+        return
+    now = _folder_now(folder)
+    if now is None:
+        return
+    cutoff = now - older_than
     for name in names:
         path = os.path.join(folder, name)
         with contextlib.suppress(OSError):  # another channel removed it first
             if os.stat(path).st_mtime < cutoff:
                 os.remove(path)
-                logger.warning("removed %s, left by a publisher that died while writing", path)
+                logger.warning("removed %s, left by a process that died while writing it", path)
 
 
 def _try_shared_lock(file: IO[bytes]) -> bool:

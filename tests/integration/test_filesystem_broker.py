@@ -325,6 +325,31 @@ def test_a_hidden_file_left_by_a_dead_publisher_is_removed_once_stale(tmp_path: 
     assert len(_waiting(options)) == 1
 
 
+def test_stale_is_judged_by_the_folder_s_clock_not_this_host_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a host whose clock runs two hours ahead of the one that stamps the
+    # folder's files (a file server's, on a shared folder) must not take a
+    # hidden file still being written for a dead publisher's
+    options = _options(tmp_path)
+    folder = Path(options["data_folder_out"])
+    fresh = folder / f".2_writing.{_queue(options)}.msg.part"
+    fresh.write_bytes(b'{"body": ')
+    left = folder / ".x1y2z3.clock"  # a channel died while reading the clock
+    left.write_bytes(b"")
+    old = time.time() - whole_files.STALE_PART_AGE - 60
+    os.utime(left, (old, old))
+    host_time = time.time
+    monkeypatch.setattr(time, "time", lambda: host_time() + 2 * whole_files.STALE_PART_AGE)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        connection.SimpleQueue(_queue(options)).put({"number": 1})
+    monkeypatch.undo()
+    assert fresh.exists()
+    assert not left.exists()
+    assert [n for n in os.listdir(folder) if n.endswith(".clock")] == []
+    assert len(_waiting(options)) == 1
+
+
 def test_a_payload_that_does_not_encode_leaves_no_file(tmp_path: Path) -> None:
     options = _options(tmp_path)
     with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
