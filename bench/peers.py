@@ -51,6 +51,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from peer_targets import ratios_to, target_lines  # noqa: E402
 from peer_tasks import (  # noqa: E402
     GUARANTEE_NAMES,
     GUARANTEES,
@@ -284,17 +285,7 @@ def _trips(
 
 
 def _median_ratio(results: list[Result], kind: str, workload: str, pool: str) -> list[float]:
-    ratios = []
-    for rep in {r.repetition for r in results}:
-        by_kind = {
-            r.kind: r
-            for r in results
-            if r.workload == workload and r.pool == pool and r.repetition == rep
-        }
-        plain, other = by_kind.get("plain"), by_kind.get(kind)
-        if plain and other and plain.rate and other.rate:
-            ratios.append(other.rate / plain.rate)
-    return ratios
+    return ratios_to(results, kind, "plain", workload, pool)
 
 
 def _cell(values: list[float], digits: int = 2) -> str:
@@ -368,6 +359,7 @@ def write_report(
                     f"| {trip_cell} | {cmds} | {redis_cpu} |"
                 )
         lines.append("")
+    lines += target_lines(results, args.workloads.split(","), args.pools.split(","))
     lines += [
         "### What each kind guarantees",
         "",

@@ -1,7 +1,8 @@
 """The peers benchmark still runs: its smoke profile on real workers writes the table and the plot.
 
-No timing is asserted: only that every kind ran, that the table reads, and
-that the store round trips counted are the ones each kind makes.
+No timing is asserted: only that every kind ran, that the table reads, that
+the store round trips counted are the ones each kind makes, and that the
+target it can judge is judged on the table's figures.
 """
 
 from __future__ import annotations
@@ -41,5 +42,16 @@ def test_smoke_profile_writes_table_and_plot(tmp_path: Path) -> None:
     for kind in ("leases-redis", "floor"):
         assert 2.0 <= float(_row(table, kind)[6]) < 3.0
     assert float(_row(table, "plain")[6]) < 1.0
+
+    # the verdict on the target this profile can judge reads the table's figures
+    verdict = re.search(
+        r"^\| trivial, leases-redis >= floor - 0\.02 \| (\S+) / (\S+), paired \d\.\d\d: "
+        r"(met|\*\*MISS\*\* \(\d\.\d\d short\)) \|$",
+        table,
+        re.MULTILINE,
+    )
+    assert verdict, table
+    assert verdict[1] == _row(table, "leases-redis")[3]
+    assert verdict[2] == _row(table, "floor")[3]
 
     assert (tmp_path / "peers.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -1,0 +1,113 @@
+"""The peers benchmark's verdicts on its targets (``bench/peer_targets.py``), on made-up runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+from tests.acceptance.harness import REPO_ROOT
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "peer_targets", REPO_ROOT / "bench" / "peer_targets.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("peer_targets", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+targets = _load()
+
+
+@dataclass
+class Run:
+    kind: str
+    workload: str
+    pool: str
+    repetition: int
+    rate: float | None
+
+
+def _runs(rates: dict[str, list[float | None]], workload: str = "trivial", pool: str = "solo"):
+    return [
+        Run(kind, workload, pool, rep, rate)
+        for kind, per_rep in rates.items()
+        for rep, rate in enumerate(per_rep)
+    ]
+
+
+def _row(lines: list[str], target: str) -> list[str]:
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[0] == target:
+            return cells[1:]
+    raise AssertionError(f"no row for {target!r} in {lines}")
+
+
+def test_ratios_to_pairs_the_kinds_of_each_repetition_and_skips_a_failed_run() -> None:
+    runs = _runs({"plain": [100, 200, 100], "floor": [80, 100, None]})
+    assert targets.ratios_to(runs, "floor", "plain", "trivial", "solo") == [0.8, 0.5]
+    assert targets.ratios_to(runs, "floor", "plain", "50ms", "solo") == []
+
+
+def test_a_kind_within_the_margin_meets_its_target() -> None:
+    runs = _runs({"plain": [100, 100, 100], "leases-redis": [74, 76, 75], "floor": [76, 77, 78]})
+    lines = targets.target_lines(runs, ["trivial"], ["solo"])
+    assert lines[0] == "### Targets"
+    (cell,) = _row(lines, "trivial, leases-redis >= floor - 0.02")
+    # medians 0.75 and 0.77; within each repetition 74/76, 76/77, 75/78
+    assert cell == "0.75 / 0.77, paired 0.97: met"
+
+
+def test_a_kind_below_the_margin_misses_by_what_it_lacks() -> None:
+    runs = _runs({"plain": [100, 100, 100], "leases-redis": [70, 71, 72], "floor": [76, 77, 78]})
+    (cell,) = _row(targets.target_lines(runs, ["trivial"], ["solo"]), str(targets.TARGETS[0]))
+    assert cell == "0.71 / 0.77, paired 0.92: **MISS** (0.04 short)"
+
+
+def test_the_verdict_reads_the_figures_the_table_prints() -> None:
+    # 0.7549 prints as 0.75 and 0.7650 as 0.77: exactly the margin, so met
+    runs = _runs({"plain": [10000], "leases-redis": [7549], "floor": [7650]})
+    (cell,) = _row(targets.target_lines(runs, ["trivial"], ["solo"]), str(targets.TARGETS[0]))
+    assert cell.endswith(": met")
+    runs = _runs({"plain": [10000], "leases-redis": [7549], "floor": [7760]})
+    (cell,) = _row(targets.target_lines(runs, ["trivial"], ["solo"]), str(targets.TARGETS[0]))
+    assert cell.endswith("**MISS** (0.01 short)")
+
+
+def test_the_50_ms_tasks_are_judged_against_the_floor_and_late_acks() -> None:
+    runs = _runs(
+        {
+            "plain": [100, 100],
+            "plain-acks-late": [97, 97],
+            "leases-redis": [95, 95],
+            "floor": [96, 96],
+            "celery-once": [100, 100],
+        },
+        workload="50ms",
+        pool="prefork",
+    )
+    lines = targets.target_lines(runs, ["50ms"], ["prefork", "threads"])
+    assert _row(lines, "50ms, leases-redis >= floor - 0.02") == [
+        "0.95 / 0.96, paired 0.99: met",
+        "not run",
+    ]
+    assert _row(lines, "50ms, leases-redis >= plain-acks-late - 0.02")[0].endswith(": met")
+    assert not any("celery-once" in line for line in lines)
+
+
+def test_only_targets_whose_kinds_ran_are_judged() -> None:
+    runs = _runs({"plain": [100], "leases-redis": [75]})
+    assert targets.target_lines(runs, ["trivial"], ["solo"]) == []
+    runs = _runs({"plain": [100], "leases-redis": [75], "floor": [77]})
+    assert targets.target_lines(runs, ["50ms"], ["solo"]) == []
+    lines = targets.target_lines(runs, ["trivial"], ["solo"])
+    assert [line for line in lines if line.startswith("| trivial")] == [
+        "| trivial, leases-redis >= floor - 0.02 | 0.75 / 0.77, paired 0.97: met |"
+    ]
