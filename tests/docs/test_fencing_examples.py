@@ -4,8 +4,6 @@ HTTP service."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +15,7 @@ import sqlalchemy as sa
 from celery_leases import LeaseStore, StaleFencingToken
 from celery_leases.fencing import Token
 from celery_leases.fencing.sql import fenced_execute
+from tests.by_path import load_file
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -26,13 +25,7 @@ WAIT = 30.0
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file(name, EXAMPLES / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,9 @@ with generation 7 after B wrote with 8, and the target refuses A.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -31,6 +28,7 @@ from celery_leases.fencing.sql import (
 )
 from celery_leases.stores.base import Acquired
 from celery_leases.stores.sql import SqlStore
+from tests.by_path import load_file
 
 A = Token("job-1", 7, owner="worker-a")
 B = Token("job-1", 8, owner="worker-b")
@@ -313,14 +311,7 @@ def test_fenced_upsert_needs_the_primary_key(
 
 
 def test_docs_sql_example_refuses_the_stale_run(engine: sa.Engine) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "docs_fenced_sql", EXAMPLES / "fenced_sql_write.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    example: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example
-    spec.loader.exec_module(example)
+    example = load_file("docs_fenced_sql", EXAMPLES / "fenced_sql_write.py")
     example.metadata.create_all(engine)
     try:
         with engine.begin() as conn:

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 from tests.acceptance.harness import REPO_ROOT
+from tests.by_path import load_file
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "peer_targets", REPO_ROOT / "bench" / "peer_targets.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("peer_targets", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-targets = _load()
+targets = load_file("peer_targets", REPO_ROOT / "bench" / "peer_targets.py")
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from celery_leases.fencing.http import (
     fencing_headers,
     token_from_headers,
 )
+from tests.by_path import load_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -34,13 +34,7 @@ B = Token("job-1", 8, owner="worker-b")
 
 def load_example(name: str) -> ModuleType:
     """Import a file of docs/examples by path, as the docs show it."""
-    spec = importlib.util.spec_from_file_location(f"docs_example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file(f"docs_example_{name}", EXAMPLES / f"{name}.py")
 
 
 # --- header helpers ----------------------------------------------------------
