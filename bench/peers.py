@@ -284,7 +284,8 @@ def _trips(
     return trips / tasks
 
 
-def _median_ratio(results: list[Result], kind: str, workload: str, pool: str) -> list[float]:
+def _ratios_to_plain(results: list[Result], kind: str, workload: str, pool: str) -> list[float]:
+    """``kind``'s throughput over plain Celery's, in each repetition."""
     return ratios_to(results, kind, "plain", workload, pool)
 
 
@@ -341,7 +342,7 @@ def write_report(
                     r for r in results
                     if r.kind == kind and r.workload == workload and r.pool == pool
                 ]  # fmt: skip
-                ratios = _median_ratio(results, kind, workload, pool)
+                ratios = _ratios_to_plain(results, kind, workload, pool)
                 errors = [r.error for r in rows if r.error]
                 spread = f"{min(ratios):.2f}{DASH}{max(ratios):.2f}" if ratios else ""
                 if errors:
@@ -387,7 +388,7 @@ def _plot(results: list[Result], args: argparse.Namespace, kinds: list[str], pat
     for ax, workload in zip(axes[:, 0], workloads, strict=True):
         for i, pool in enumerate(pools):
             values = [
-                statistics.median(r) if (r := _median_ratio(results, k, workload, pool)) else 0.0
+                statistics.median(r) if (r := _ratios_to_plain(results, k, workload, pool)) else 0.0
                 for k in shown
             ]
             ax.bar([x + i * width for x in range(len(shown))], values, width, label=pool)
