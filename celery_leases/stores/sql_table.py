@@ -187,10 +187,6 @@ class _Dialect:
     #: execution options of connections that write / only read
     write_options: Mapping[str, Any]
     read_options: Mapping[str, Any]
-    #: serializes concurrent CREATE TABLE inside a transaction
-    lock_for_ddl: Callable[[Connection, str], None]
-    #: gives that lock up, where the transaction's end does not
-    unlock_for_ddl: Callable[[Connection, str], None]
     #: true when a column holds a whole number (SQLite keeps any value in any
     #: column, and then 'abc' + 1 is 1)
     whole: Callable[[ColumnElement[Any]], ColumnElement[bool]]
@@ -201,6 +197,24 @@ class _Dialect:
     def now_ms(self) -> ColumnElement[int]:
         """The database's clock in ms, as a column expression."""
         return sa.literal_column(self.now_sql, sa.BigInteger)
+
+    def lock_for_ddl(self, conn: Connection, table_name: str) -> None:
+        """Take the lock (``DDL_LOCKS``) that serializes DDL on the lease
+        table inside ``conn``'s transaction.
+
+        Raises:
+            LeaseConfigurationError: the lock was not taken within 30 s.
+        """
+        take = DDL_LOCKS[self.name][0]
+        if take is not None:
+            answer = conn.execute(sa.text(take), {"name": ddl_lock_name(table_name)}).scalar()
+            check_ddl_lock_taken(answer, table_name)
+
+    def unlock_for_ddl(self, conn: Connection, table_name: str) -> None:
+        """Give that lock up, where the transaction's end does not."""
+        end = DDL_LOCKS[self.name][1]
+        if end is not None:
+            conn.execute(sa.text(end), {"name": ddl_lock_name(table_name)})
 
 
 def _postgres_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
@@ -240,32 +254,16 @@ def _sqlite_batch_rows(batch: sa.BindParameter[str]) -> FromClause:
 #: BEGIN IMMEDIATE already holds the write lock. MySQL: DDL commits at once,
 #: so no lock of a transaction outlives it; a named lock of the session
 #: does, until RELEASE_LOCK. Each taking statement answers 1 once it holds it.
-_POSTGRES_DDL_LOCK = "SELECT 1 FROM pg_advisory_xact_lock(hashtext(:name))"
-_MYSQL_DDL_LOCK = "SELECT GET_LOCK(:name, 30)"
-_MYSQL_DDL_UNLOCK = "SELECT RELEASE_LOCK(:name)"
 DDL_LOCKS: dict[str, tuple[str | None, str | None]] = {
-    "postgresql": (_POSTGRES_DDL_LOCK, None),
+    "postgresql": ("SELECT 1 FROM pg_advisory_xact_lock(hashtext(:name))", None),
     "sqlite": (None, None),
-    "mysql": (_MYSQL_DDL_LOCK, _MYSQL_DDL_UNLOCK),
+    "mysql": ("SELECT GET_LOCK(:name, 30)", "SELECT RELEASE_LOCK(:name)"),
 }
 
 
 def ddl_lock_name(table_name: str) -> str:
     """The name of the lock that serializes DDL on lease table ``table_name``."""
     return f"celery_leases:{table_name}"
-
-
-def _postgres_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    conn.execute(sa.text(_POSTGRES_DDL_LOCK), {"name": ddl_lock_name(table_name)})
-
-
-def _sqlite_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    return None
-
-
-def _no_unlock(conn: Connection, table_name: str) -> None:
-    # the lock ends with the transaction
-    return None
 
 
 def check_ddl_lock_taken(answer: object, table_name: str) -> None:
@@ -279,15 +277,6 @@ def check_ddl_lock_taken(answer: object, table_name: str) -> None:
             f"could not take the lock that serializes creating the lease table "
             f"{table_name!r} within 30 s; another process holds it"
         )
-
-
-def _mysql_lock_for_ddl(conn: Connection, table_name: str) -> None:
-    got = conn.execute(sa.text(_MYSQL_DDL_LOCK), {"name": ddl_lock_name(table_name)}).scalar()
-    check_ddl_lock_taken(got, table_name)
-
-
-def _mysql_unlock_for_ddl(conn: Connection, table_name: str) -> None:
-    conn.execute(sa.text(_MYSQL_DDL_UNLOCK), {"name": ddl_lock_name(table_name)})
 
 
 def _postgres_greatest(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[int]:
@@ -313,8 +302,6 @@ _POSTGRES = _Dialect(
     batch_rows=_postgres_batch_rows,
     write_options={"isolation_level": "AUTOCOMMIT"},
     read_options={"isolation_level": "AUTOCOMMIT"},
-    lock_for_ddl=_postgres_lock_for_ddl,
-    unlock_for_ddl=_no_unlock,
     whole=_postgres_whole,
     greatest=_postgres_greatest,
 )
@@ -326,8 +313,6 @@ _SQLITE = _Dialect(
     batch_rows=_sqlite_batch_rows,
     write_options={},
     read_options={_READ_ONLY_OPTION: True},
-    lock_for_ddl=_sqlite_lock_for_ddl,
-    unlock_for_ddl=_no_unlock,
     whole=_sqlite_whole,
     greatest=_sqlite_greatest,
 )
@@ -342,8 +327,6 @@ _MYSQL = _Dialect(
     batch_rows=None,
     write_options={},
     read_options={},
-    lock_for_ddl=_mysql_lock_for_ddl,
-    unlock_for_ddl=_mysql_unlock_for_ddl,
     whole=_postgres_whole,
     greatest=_postgres_greatest,
 )
