@@ -12,6 +12,7 @@ store opened from a URL.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -34,11 +35,13 @@ from celery_leases.stores.sql_table import (
     _SQLITE,
     DEFAULT_TABLE_NAME,
     MYSQL_NAMES,
-    _add_missing_columns,
     _Dialect,
-    _missing_columns,
     lease_table,
+    upgrade_statements,
+    upgrade_table,
 )
+
+logger = logging.getLogger("celery_leases.stores.sql")
 
 #: engines of open stores; a forked child must not reuse their connections
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -108,7 +111,9 @@ def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> _Dia
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
     """Create the lease table and its index unless they exist; safe to race.
 
-    A table made by an older release gets the columns it lacks.
+    A table made by an older release gets the columns it lacks and this
+    release's index (in PostgreSQL, building it holds off writes to the
+    table for as long as that takes; docs/sql.md says how to build it first).
 
     Returns:
         The table, bound to a fresh ``MetaData``.
@@ -124,7 +129,7 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
             dialect.lock_for_ddl(conn, table_name)
             try:
                 table.metadata.create_all(conn, checkfirst=True)
-                _add_missing_columns(conn, table)
+                upgrade_table(conn, table)
             finally:
                 dialect.unlock_for_ddl(conn, table_name)
     except (exc.DBAPIError, exc.TimeoutError) as error:
@@ -137,7 +142,8 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
 
 def check_columns(engine: Engine, table: sa.Table) -> None:
     """Refuse a lease table made by an older release that lacks columns,
-    for a store that does not create it (``create_table=False``).
+    for a store that does not create it (``create_table=False``), and warn
+    of one that still has an earlier release's index.
 
     A table that is missing, or a database that cannot be reached now, is
     left to the store's calls to report.
@@ -148,9 +154,17 @@ def check_columns(engine: Engine, table: sa.Table) -> None:
     """
     try:
         with engine.connect() as conn:
-            missing = _missing_columns(conn, table)
+            missing, indexes = upgrade_statements(conn, table)
     except (exc.DBAPIError, exc.TimeoutError, exc.NoSuchTableError):
         return
+    if indexes:
+        logger.warning(
+            "the lease table %r in %s lacks this release's index, so fenced updates can "
+            "read every held record; run `celery leases init-db` or: %s",
+            table.name,
+            masked_url(engine),
+            "; ".join(indexes),
+        )
     if missing:
         statements = "; ".join(missing)
         raise LeaseConfigurationError(

@@ -19,6 +19,7 @@ from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
+from celery_leases.stores.sql_indexes import index_statements, lease_indexes
 
 DEFAULT_TABLE_NAME = "celery_leases"
 
@@ -110,8 +111,8 @@ def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> 
         sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
         sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
         *_added_columns(),
-        # purge_completed and records(state=...) filter on these
-        sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at"),
+        # purge and records(state=...) filter on state and completed_at
+        *lease_indexes(table_name),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
     )
@@ -162,9 +163,30 @@ def _missing_columns(conn: Connection, table: sa.Table) -> list[str]:
     return add_column_statements(table, present, conn.dialect)
 
 
-def _add_missing_columns(conn: Connection, table: sa.Table) -> None:
-    """Add each column an older table lacks."""
-    for statement in _missing_columns(conn, table):
+def _changed_indexes(conn: Connection, table: sa.Table) -> list[str]:
+    """The statements that give an older table this release's index.
+
+    Raises:
+        sqlalchemy.exc.NoSuchTableError: there is no such table.
+    """
+    present = {str(i["name"]) for i in sa.inspect(conn).get_indexes(table.name)}
+    return index_statements(table, present, conn.dialect)
+
+
+def upgrade_statements(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:
+    """What a table made by an older release lacks: the statements that add
+    its columns, and those that change its index.
+
+    Raises:
+        sqlalchemy.exc.NoSuchTableError: there is no such table.
+    """
+    return _missing_columns(conn, table), _changed_indexes(conn, table)
+
+
+def upgrade_table(conn: Connection, table: sa.Table) -> None:
+    """Add each column an older table lacks and give it this release's index."""
+    columns, indexes = upgrade_statements(conn, table)
+    for statement in columns + indexes:
         conn.execute(sa.text(statement))
 
 

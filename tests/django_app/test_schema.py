@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from celery_leases.fencing.sql import create_fence_table
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from celery_leases.stores.sql_engine import dialect_for
-from celery_leases.stores.sql_table import _add_missing_columns
+from celery_leases.stores.sql_table import upgrade_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -48,7 +48,13 @@ def describe(engine: sa.Engine | None = None) -> dict[str, Any]:
             ],
             "primary_key": inspector.get_pk_constraint(table)["constrained_columns"],
             "indexes": sorted(
-                (i["name"], tuple(i["column_names"]), bool(i["unique"]))
+                (
+                    i["name"],
+                    tuple(i["column_names"]),
+                    bool(i["unique"]),
+                    # PostgreSQL's partial index: which records it leaves out
+                    i.get("dialect_options", {}).get("postgresql_where"),
+                )
                 for i in inspector.get_indexes(table)
             ),
         }
@@ -107,22 +113,44 @@ def test_the_models_match_their_migrations() -> None:
     call_command("makemigrations", "celery_leases", "--check", "--dry-run", verbosity=0)
 
 
-def test_migrate_adds_the_task_id_column_a_table_of_an_earlier_version_lacks(
-    fresh_engine: sa.Engine,
+def _drop_task_id(cursor: Any) -> bool:
+    # the first migration of an earlier version made the table without it
+    cursor.execute("ALTER TABLE celery_leases DROP COLUMN task_id")
+    return True
+
+
+def _index_led_by_state(cursor: Any) -> bool:
+    if connection.vendor != "postgresql":
+        return False  # the index of SQLite, MySQL and MariaDB is unchanged
+    # the first migration of an earlier version made an index led by state,
+    # with the held records in it
+    cursor.execute("DROP INDEX ix_celery_leases_not_held")
+    cursor.execute(
+        "CREATE INDEX ix_celery_leases_state_completed_at ON celery_leases (state, completed_at)"
+    )
+    return True
+
+
+@pytest.mark.parametrize(
+    ("back_to", "make_earlier"),
+    [("0001", _drop_task_id), ("0002", _index_led_by_state)],
+    ids=["task_id column", "index"],
+)
+def test_migrate_brings_a_table_of_an_earlier_version_up_to_this_one(
+    fresh_engine: sa.Engine, back_to: str, make_earlier: Callable[[Any], bool]
 ) -> None:
     create_table(fresh_engine)
     create_fence_table(fresh_engine)
-    call_command("migrate", "celery_leases", "0001", verbosity=0)
+    call_command("migrate", "celery_leases", back_to, verbosity=0)
     try:
-        # the first migration of an earlier version made the table without it
         with connection.cursor() as cursor:
-            cursor.execute("ALTER TABLE celery_leases DROP COLUMN task_id")
-        assert "task_id" not in {name for name, *_ in describe()["celery_leases"]["columns"]}
+            changed = make_earlier(cursor)
+        assert (describe() != describe(fresh_engine)) is changed
     finally:
         call_command("migrate", "celery_leases", verbosity=0)
     assert describe() == describe(fresh_engine)
     # and a table that has it is left as it is
-    call_command("migrate", "celery_leases", "0001", verbosity=0)
+    call_command("migrate", "celery_leases", back_to, verbosity=0)
     call_command("migrate", "celery_leases", verbosity=0)
     assert describe() == describe(fresh_engine)
 
@@ -165,7 +193,7 @@ def test_migrate_takes_turns_with_a_store_adding_the_same_columns(
             thread.start()
             assert not migrated.wait(1.0), "migrate did not wait for the store's lock"
             # the store adds the column under its lock, as create_table does
-            _add_missing_columns(store_side, lease_table(sa.MetaData()))
+            upgrade_table(store_side, lease_table(sa.MetaData()))
             dialect.unlock_for_ddl(store_side, "celery_leases")
             store_side.commit()
         assert migrated.wait(30)

@@ -61,8 +61,9 @@ class Lease(models.Model):
     class Meta:
         db_table = "celery_leases"
         verbose_name = "lease"
-        # the index ix_celery_leases_state_completed_at is made by the
-        # migration: its name is longer than Django allows a model's index
+        # the index is made by the migrations, as the SQL store makes it
+        # (module celery_leases.stores.sql_indexes): in PostgreSQL a partial
+        # one, which a model's Meta.indexes cannot name per database
 
     def __str__(self) -> str:
         return f"{self.job_id} ({self.state}, generation {self.generation})"

@@ -7,6 +7,8 @@ table made by ``manage.py migrate`` is the table ``SqlStore`` would make
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,9 +17,22 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
 from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
-from celery_leases.stores.sql_table import DDL_LOCKS, add_column_statements, ddl_lock_name
+from celery_leases.stores.sql_indexes import index_statements, indexes_in
+from celery_leases.stores.sql_table import (
+    DDL_LOCKS,
+    add_column_statements,
+    check_ddl_lock_taken,
+    ddl_lock_name,
+)
 
-__all__ = ["add_column_statements_for", "create_statements", "ddl_lock_for", "drop_statements"]
+__all__ = [
+    "add_column_statements_for",
+    "create_statements",
+    "ddl_lock_for",
+    "ddl_locked",
+    "drop_statements",
+    "index_statements_for",
+]
 
 #: Django's connection vendors (MariaDB's too is "mysql") and their dialects
 _DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect, "mysql": mysql.dialect}
@@ -50,7 +65,7 @@ def create_statements(vendor: str) -> list[str]:
         statements.append(str(sa.schema.CreateTable(table).compile(dialect=dialect)).strip())
         statements.extend(
             str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip()
-            for index in sorted(table.indexes, key=lambda index: str(index.name))
+            for index in indexes_in(table, dialect.name)
         )
     return statements
 
@@ -65,6 +80,18 @@ def add_column_statements_for(vendor: str, present: set[str]) -> list[str]:
     """
     table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
     return add_column_statements(table, present, _dialect(vendor))
+
+
+def index_statements_for(vendor: str, present: set[str]) -> list[str]:
+    """The statements that give a lease table made by an earlier version
+    this version's index (``present`` are the names of the indexes it has),
+    as the SQL store changes its own table's.
+
+    Raises:
+        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
+    """
+    table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
+    return index_statements(table, present, _dialect(vendor))
 
 
 def ddl_lock_for(vendor: str) -> tuple[str | None, str | None, str]:
@@ -84,6 +111,29 @@ def ddl_lock_for(vendor: str) -> tuple[str | None, str | None, str]:
         end and end.replace(":name", "%s"),
         ddl_lock_name(DEFAULT_TABLE_NAME),
     )
+
+
+@contextmanager
+def ddl_locked(connection: Any) -> Iterator[Any]:
+    """A cursor of a Django ``connection`` that holds, while it is open, the
+    lock a SQL store holds while it changes the lease table: a migration
+    doing the same work takes turns with it, and neither finds work the
+    other is doing still to do.
+
+    Raises:
+        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or
+            MySQL, or the lock was not taken within 30 s.
+    """
+    take, end, name = ddl_lock_for(connection.vendor)
+    with connection.cursor() as cursor:
+        if take is not None:
+            cursor.execute(take, [name])
+            check_ddl_lock_taken(cursor.fetchone()[0], DEFAULT_TABLE_NAME)
+        try:
+            yield cursor
+        finally:
+            if end is not None:
+                cursor.execute(end, [name])
 
 
 def drop_statements(vendor: str) -> list[str]:

@@ -7,31 +7,21 @@ from typing import Any
 from django.db import migrations
 
 import celery_leases.contrib.django.models
-from celery_leases.contrib.django.schema import add_column_statements_for, ddl_lock_for
-from celery_leases.stores.sql_table import DEFAULT_TABLE_NAME, check_ddl_lock_taken
+from celery_leases.contrib.django.schema import add_column_statements_for, ddl_locked
+from celery_leases.stores.sql_table import DEFAULT_TABLE_NAME
 
 
 def _add_missing_columns(apps: Any, schema_editor: Any) -> None:
     connection = schema_editor.connection
     # under the lock a SQL store takes to add the same columns to the same
     # table, so the two never both find a column missing
-    take, end, name = ddl_lock_for(connection.vendor)
-    with connection.cursor() as cursor:
-        if take is not None:
-            cursor.execute(take, [name])
-            check_ddl_lock_taken(cursor.fetchone()[0], DEFAULT_TABLE_NAME)
-        try:
-            present = {
-                column.name
-                for column in connection.introspection.get_table_description(
-                    cursor, DEFAULT_TABLE_NAME
-                )
-            }
-            for statement in add_column_statements_for(connection.vendor, present):
-                schema_editor.execute(statement)
-        finally:
-            if end is not None:
-                cursor.execute(end, [name])
+    with ddl_locked(connection) as cursor:
+        present = {
+            column.name
+            for column in connection.introspection.get_table_description(cursor, DEFAULT_TABLE_NAME)
+        }
+        for statement in add_column_statements_for(connection.vendor, present):
+            schema_editor.execute(statement)
 
 
 class Migration(migrations.Migration):

@@ -1,0 +1,132 @@
+"""The SQL lease table's secondary index: what each database gets, that
+PostgreSQL's fenced statements find their record by the primary key, and
+the upgrade of a table an earlier release made (real PostgreSQL, SQLite and
+MariaDB)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import asyncpg
+
+from celery_leases import Acquired, Completed
+from celery_leases.stores.sql import SqlStore, create_table
+from tests.servers import PostgresServer
+
+A = "worker-a"
+
+
+@pytest.fixture
+def table_name(unique: str) -> str:
+    return f"leases_{unique}"
+
+
+@pytest.fixture
+def postgres_store(postgres_server: PostgresServer, table_name: str) -> Iterator[SqlStore]:
+    store = SqlStore.from_url(postgres_server.url, table_name=table_name)
+    yield store
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {table_name}")
+    store.close()
+
+
+def _indexes(engine: sa.Engine, table_name: str) -> dict[str, dict[str, object]]:
+    return {str(i["name"]): dict(i) for i in sa.inspect(engine).get_indexes(table_name)}
+
+
+def test_each_database_gets_its_index(sql_url: str, table_name: str) -> None:
+    store = SqlStore.from_url(sql_url, table_name=table_name)
+    try:
+        indexes = _indexes(store.engine, table_name)
+    finally:
+        store.close()
+    if sql_url.startswith("postgresql"):
+        # the held records left out, so no fenced statement can walk it
+        assert set(indexes) == {f"ix_{table_name}_not_held"}
+        index = indexes[f"ix_{table_name}_not_held"]
+        where = index["dialect_options"]["postgresql_where"]  # type: ignore[index]
+        assert "<> 'held'" in where
+    else:
+        assert set(indexes) == {f"ix_{table_name}_state_completed_at"}
+        index = indexes[f"ix_{table_name}_state_completed_at"]
+    assert index["column_names"] == ["state", "completed_at"]
+
+
+#: the fenced statements, which find their record by job id and state 'held'
+FENCED = ("complete", "renew", "release", "lock")
+
+
+def _generic_plan(conn: sa.Connection, store: SqlStore, name: str) -> str:
+    """The plan PostgreSQL keeps for a statement the driver prepared (a
+    generic plan, made without the parameters' values). The statement is
+    written with ``$1`` placeholders, as PREPARE needs them."""
+    compiled = getattr(store._statements, name).compile(dialect=asyncpg.dialect())
+    values = {
+        "p_job_id": "'job-7'",
+        "p_owner": f"'{A}'",
+        "p_generation": "1",
+        "p_ttl_ms": "30000",
+        "p_outcome": "NULL",
+    }
+    arguments = ", ".join(values[key] for key in compiled.positiontup or ())
+    conn.exec_driver_sql(f"PREPARE fenced_{name} AS {compiled}")
+    plan = conn.exec_driver_sql(f"EXPLAIN EXECUTE fenced_{name}({arguments})").scalars().all()
+    return "\n".join(plan)
+
+
+def test_postgres_fenced_statements_find_their_record_by_the_primary_key(
+    postgres_store: SqlStore, table_name: str
+) -> None:
+    # a table whose statistics say no record is held: the moment at which a
+    # generic plan walked an index led by state (every held entry, live or
+    # dead) instead of the primary key
+    for number in range(300):
+        acquired = postgres_store.claim(f"done-{number}", A, 30)
+        assert isinstance(acquired, Acquired)
+        completed = postgres_store.complete(f"done-{number}", A, acquired.generation)
+        assert isinstance(completed, Completed)
+    with postgres_store.engine.connect() as conn:
+        conn.exec_driver_sql(f"ANALYZE {table_name}")
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        for name in FENCED:
+            plan = _generic_plan(conn, postgres_store, name)
+            assert f"Index Scan using {table_name}_pkey on {table_name}" in plan, (name, plan)
+            assert "ix_" not in plan, (name, plan)
+            assert "Seq Scan" not in plan, (name, plan)
+        conn.rollback()
+
+
+def test_postgres_table_with_the_earlier_index_is_warned_of_then_upgraded(
+    postgres_store: SqlStore, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    old, new = f"ix_{table_name}_state_completed_at", f"ix_{table_name}_not_held"
+    with postgres_store.engine.begin() as conn:
+        # the index as releases before this one made it
+        conn.exec_driver_sql(f"DROP INDEX {new}")
+        conn.exec_driver_sql(f"CREATE INDEX {old} ON {table_name} (state, completed_at)")
+    url = postgres_store.engine.url.render_as_string(hide_password=False)
+
+    with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
+        untouched = SqlStore.from_url(url, table_name=table_name, create_table=False)
+    untouched.close()
+    warning = caplog.text
+    assert "celery leases init-db" in warning
+    assert f"CREATE INDEX {new} ON {table_name} (state, completed_at) WHERE state <> 'held'" in (
+        warning
+    )
+    assert f"DROP INDEX {old}" in warning
+    assert set(_indexes(postgres_store.engine, table_name)) == {old}
+
+    engine = sa.create_engine(url)
+    try:
+        create_table(engine, table_name)  # what init-db and a store that creates its table run
+        assert set(_indexes(engine, table_name)) == {new}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
+            SqlStore(engine, table_name=table_name, create_table=False).close()
+        assert "index" not in caplog.text
+    finally:
+        engine.dispose()
