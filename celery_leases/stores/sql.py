@@ -50,6 +50,7 @@ from celery_leases.stores.sql_engine import (
     check_timeout,
     create_table,
     dialect_for,
+    make_table,
     masked_url,
     open_engines,
 )
@@ -91,9 +92,6 @@ DEFAULT_TIMEOUT = 5.0
 
 _check_sqlite_version = check_sqlite_version
 
-# SqlStore's create_table flag shadows the function's name inside __init__
-_create_table = create_table
-
 T = TypeVar("T")
 
 
@@ -112,7 +110,11 @@ class SqlStore(SqlRecords, LeaseStore):
             limit on each wait for a reply inside the store's calls). Either
             way it empties the engine's pool once.
         table_name: the lease table's name.
-        create_table: create the table (and index) if it is missing.
+        create_table: create the table (and index) if it is missing, and add
+            the columns a table of an earlier release lacks; a table whose
+            index is an earlier release's gets a warning instead of a new
+            index, which :func:`create_table` (``celery leases init-db``)
+            builds.
         timeout: the longest wait (seconds) for one step of a call: a new
             connection, a reply, a lock; SQLite's busy timeout. Default
             :data:`DEFAULT_TIMEOUT` for PostgreSQL and
@@ -180,7 +182,7 @@ class SqlStore(SqlRecords, LeaseStore):
         )
         with store_waits(self.timeout):
             if create_table:
-                _create_table(engine, table_name)
+                make_table(engine, table_name, change_index=False)
             else:
                 check_columns(engine, self.table)
 

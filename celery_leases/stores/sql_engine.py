@@ -36,9 +36,11 @@ from celery_leases.stores.sql_table import (
     DEFAULT_TABLE_NAME,
     MYSQL_NAMES,
     _Dialect,
+    add_missing_columns,
+    build_indexes,
+    drop_retired_indexes,
     lease_table,
     upgrade_statements,
-    upgrade_table,
 )
 
 logger = logging.getLogger("celery_leases.stores.sql")
@@ -112,8 +114,10 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
     """Create the lease table and its index unless they exist; safe to race.
 
     A table made by an older release gets the columns it lacks and this
-    release's index (in PostgreSQL, building it holds off writes to the
-    table for as long as that takes; docs/sql.md says how to build it first).
+    release's index. In PostgreSQL building that index holds off writes to
+    the table for as long as it takes (docs/sql.md says how to build it
+    first without that), and the old index is dropped after, in a
+    transaction of its own.
 
     Returns:
         The table, bound to a fresh ``MetaData``.
@@ -122,6 +126,13 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
         StoreUnavailable: the database could not be reached.
         LeaseConfigurationError: the database is not PostgreSQL, SQLite or MySQL.
     """
+    return make_table(engine, table_name, change_index=True)
+
+
+def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Table:
+    """:func:`create_table`; without ``change_index`` (a store opening, which
+    must not wait for an index to be built), an older table's index is left
+    as it is and a warning gives the statements that change it."""
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
     try:
@@ -129,15 +140,44 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
             dialect.lock_for_ddl(conn, table_name)
             try:
                 table.metadata.create_all(conn, checkfirst=True)
-                upgrade_table(conn, table)
+                add_missing_columns(conn, table)
+                if change_index:
+                    to_drop = build_indexes(conn, table)
+                else:
+                    to_drop, index_statements = False, upgrade_statements(conn, table)[1]
             finally:
                 dialect.unlock_for_ddl(conn, table_name)
+        if to_drop:
+            # after the build has committed: DROP INDEX waits for every
+            # transaction that has read the table, and one of those waiting
+            # for the build's lock in turn would deadlock with it
+            with engine.begin() as conn:
+                dialect.lock_for_ddl(conn, table_name)
+                try:
+                    drop_retired_indexes(conn, table)
+                finally:
+                    dialect.unlock_for_ddl(conn, table_name)
     except (exc.DBAPIError, exc.TimeoutError) as error:
         about = f"could not create the lease table {table_name!r} in {masked_url(engine)}"
         if permanent(error):
             raise LeaseConfigurationError(f"{about}: {reason(error)}. {FIX}") from error
         raise StoreUnavailable(f"{about}: {reason(error)}") from error
+    if not change_index:
+        _warn_of_index(engine, table, index_statements)
     return table
+
+
+def _warn_of_index(engine: Engine, table: sa.Table, statements: list[str]) -> None:
+    """Warn that ``table`` lacks this release's index, if ``statements``
+    (those that change it) are to run."""
+    if statements:
+        logger.warning(
+            "the lease table %r in %s lacks this release's index; run `celery leases init-db` "
+            "(docs/sql.md, The table, says how to build it without holding off writes) or: %s",
+            table.name,
+            masked_url(engine),
+            "; ".join(statements),
+        )
 
 
 def check_columns(engine: Engine, table: sa.Table) -> None:
@@ -157,14 +197,7 @@ def check_columns(engine: Engine, table: sa.Table) -> None:
             missing, indexes = upgrade_statements(conn, table)
     except (exc.DBAPIError, exc.TimeoutError, exc.NoSuchTableError):
         return
-    if indexes:
-        logger.warning(
-            "the lease table %r in %s lacks this release's index, so fenced updates can "
-            "read every held record; run `celery leases init-db` or: %s",
-            table.name,
-            masked_url(engine),
-            "; ".join(indexes),
-        )
+    _warn_of_index(engine, table, indexes)
     if missing:
         statements = "; ".join(missing)
         raise LeaseConfigurationError(

@@ -58,19 +58,23 @@ def _made_in(end: str) -> Callable[..., bool]:
     return made
 
 
-def lease_indexes(table_name: str) -> list[sa.Index]:
-    """The lease table's indexes, each made only in its dialects."""
-    return [
-        sa.Index(
+def lease_indexes(table_name: str, dialect: str | None = None) -> list[sa.Index]:
+    """The lease table's indexes: those of ``dialect`` (a SQLAlchemy dialect
+    name) only, or all, each made only in its dialects."""
+    indexes = {
+        "not_held": sa.Index(
             f"ix_{table_name}_not_held",
             "state",
             "completed_at",
             postgresql_where=sa.text(f"state <> '{_HELD}'"),
-        ).ddl_if(callable_=_made_in("not_held")),
-        sa.Index(f"ix_{table_name}_state_completed_at", "state", "completed_at").ddl_if(
-            callable_=_made_in("state_completed_at")
         ),
-    ]
+        "state_completed_at": sa.Index(
+            f"ix_{table_name}_state_completed_at", "state", "completed_at"
+        ),
+    }
+    if dialect is not None:
+        return [index for end, index in indexes.items() if dialect in _MADE_IN[end]]
+    return [index.ddl_if(callable_=_made_in(end)) for end, index in indexes.items()]
 
 
 def _end(table: sa.Table, index_name: str) -> str:
@@ -89,21 +93,30 @@ def indexes_in(table: sa.Table, dialect_name: str) -> list[sa.Index]:
     )
 
 
-def index_statements(table: sa.Table, present: Set[str], dialect: Dialect) -> list[str]:
-    """``CREATE INDEX`` for each index ``dialect`` has that is not among the
-    ``present`` index names, then ``DROP INDEX`` for each retired one that is.
+def index_statements(
+    table: sa.Table, present: Set[str], dialect: Dialect, invalid: Set[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """What gives a table this release's index: the builds, then the drops.
 
-    Only PostgreSQL's index has changed, so elsewhere this is empty unless
-    the index was dropped by hand.
+    The builds are ``CREATE INDEX`` for each index ``dialect`` has that is
+    not among the ``present`` index names, after a ``DROP INDEX`` of one
+    that is there but ``invalid`` (PostgreSQL's mark on an index whose
+    ``CREATE INDEX CONCURRENTLY`` failed). The drops are ``DROP INDEX`` for
+    each index an earlier release made that is present. Only PostgreSQL's
+    index has changed, so elsewhere both are empty unless the index was
+    dropped by hand.
     """
-    create = [
-        str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip()
-        for index in indexes_in(table, dialect.name)
-        if index.name not in present
-    ]
-    drop = [
-        f"DROP INDEX {name}"
+    quote = dialect.identifier_preparer.quote
+    builds = []
+    for index in indexes_in(table, dialect.name):
+        name = str(index.name)
+        if name in invalid:
+            builds.append(f"DROP INDEX {quote(name)}")
+        if name not in present or name in invalid:
+            builds.append(str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip())
+    drops = [
+        f"DROP INDEX {quote(name)}"
         for name in sorted(present)
         if _end(table, name) in _RETIRED.get(dialect.name, ())
     ]
-    return create + drop
+    return builds, drops

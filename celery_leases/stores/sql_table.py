@@ -85,12 +85,21 @@ def _key_text() -> sa.types.TypeEngine[str]:
     return sa.String(255).with_variant(_ExactText(), *MYSQL_NAMES)
 
 
-def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
+def lease_table(
+    metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME, *, dialect: str | None = None
+) -> sa.Table:
     """Define the lease table on ``metadata``.
 
     Times are integer milliseconds on the database's clock. In MySQL the
     table is InnoDB in ``utf8mb4``, and job ids, owners and send ids are
     ``VARBINARY`` (see :class:`_ExactText`).
+
+    The index differs between databases (module ``sql_indexes``). Without
+    ``dialect`` the table carries each with a condition that makes
+    ``create_all`` emit only the database's own; with a dialect name
+    (``"postgresql"``, ``"sqlite"``, ``"mysql"``) it carries that one only,
+    as a tool that compares tables (Alembic's autogenerate) needs, since it
+    ignores the conditions.
 
     Raises:
         LeaseConfigurationError: ``table_name`` is not a plain identifier.
@@ -112,7 +121,7 @@ def lease_table(metadata: sa.MetaData, table_name: str = DEFAULT_TABLE_NAME) -> 
         sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
         *_added_columns(),
         # purge and records(state=...) filter on state and completed_at
-        *lease_indexes(table_name),
+        *lease_indexes(table_name, dialect),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
     )
@@ -146,7 +155,7 @@ def add_column_statements(table: sa.Table, present: Set[str], dialect: Dialect) 
     """``ALTER TABLE ... ADD COLUMN`` in ``dialect`` for each column added
     after the first release that is not among the ``present`` column names."""
     return [
-        f"ALTER TABLE {table.name} ADD COLUMN "
+        f"ALTER TABLE {dialect.identifier_preparer.format_table(table)} ADD COLUMN "
         f"{sa.schema.CreateColumn(column).compile(dialect=dialect)}"
         for column in _added_columns()
         if column.name not in present
@@ -163,30 +172,53 @@ def _missing_columns(conn: Connection, table: sa.Table) -> list[str]:
     return add_column_statements(table, present, conn.dialect)
 
 
-def _changed_indexes(conn: Connection, table: sa.Table) -> list[str]:
-    """The statements that give an older table this release's index.
+def _changed_indexes(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:
+    """The builds and the drops that give an older table this release's index.
 
     Raises:
         sqlalchemy.exc.NoSuchTableError: there is no such table.
     """
-    present = {str(i["name"]) for i in sa.inspect(conn).get_indexes(table.name)}
-    return index_statements(table, present, conn.dialect)
+    found = sa.inspect(conn).get_indexes(table.name)
+    present = {str(i["name"]) for i in found}
+    invalid = {
+        str(i["name"]) for i in found if i.get("dialect_options", {}).get("postgresql_invalid")
+    }
+    return index_statements(table, present, conn.dialect, invalid)
 
 
 def upgrade_statements(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:
     """What a table made by an older release lacks: the statements that add
-    its columns, and those that change its index.
+    its columns, and those that change its index (builds, then drops).
 
     Raises:
         sqlalchemy.exc.NoSuchTableError: there is no such table.
     """
-    return _missing_columns(conn, table), _changed_indexes(conn, table)
+    builds, drops = _changed_indexes(conn, table)
+    return _missing_columns(conn, table), builds + drops
 
 
-def upgrade_table(conn: Connection, table: sa.Table) -> None:
-    """Add each column an older table lacks and give it this release's index."""
-    columns, indexes = upgrade_statements(conn, table)
-    for statement in columns + indexes:
+def add_missing_columns(conn: Connection, table: sa.Table) -> None:
+    """Add each column an older table lacks."""
+    for statement in _missing_columns(conn, table):
+        conn.execute(sa.text(statement))
+
+
+def build_indexes(conn: Connection, table: sa.Table) -> bool:
+    """Build each index of this release that the table lacks, with no
+    statement time limit (PostgreSQL: it may take long on a large table);
+    true when an index of an earlier release is left to drop.
+    """
+    builds, drops = _changed_indexes(conn, table)
+    if builds and conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SET LOCAL statement_timeout = 0"))
+    for statement in builds:
+        conn.execute(sa.text(statement))
+    return bool(drops)
+
+
+def drop_retired_indexes(conn: Connection, table: sa.Table) -> None:
+    """Drop each index of an earlier release that the table still has."""
+    for statement in _changed_indexes(conn, table)[1]:
         conn.execute(sa.text(statement))
 
 

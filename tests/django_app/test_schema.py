@@ -22,7 +22,7 @@ from celery_leases.fencing.sql import create_fence_table
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from celery_leases.stores.sql_engine import dialect_for
-from celery_leases.stores.sql_table import upgrade_table
+from celery_leases.stores.sql_table import add_missing_columns
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -193,7 +193,7 @@ def test_migrate_takes_turns_with_a_store_adding_the_same_columns(
             thread.start()
             assert not migrated.wait(1.0), "migrate did not wait for the store's lock"
             # the store adds the column under its lock, as create_table does
-            upgrade_table(store_side, lease_table(sa.MetaData()))
+            add_missing_columns(store_side, lease_table(sa.MetaData()))
             dialect.unlock_for_ddl(store_side, "celery_leases")
             store_side.commit()
         assert migrated.wait(30)

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import asyncpg
 
 from celery_leases import Acquired, Completed
-from celery_leases.stores.sql import SqlStore, create_table
+from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from tests.servers import PostgresServer
 
 A = "worker-a"
@@ -99,34 +99,67 @@ def test_postgres_fenced_statements_find_their_record_by_the_primary_key(
         conn.rollback()
 
 
+@pytest.mark.parametrize("case", ["lower", "Mixed"])
 def test_postgres_table_with_the_earlier_index_is_warned_of_then_upgraded(
-    postgres_store: SqlStore, table_name: str, caplog: pytest.LogCaptureFixture
+    postgres_server: PostgresServer, unique: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # a name in capitals is quoted in every statement, or PostgreSQL would
+    # fold it and find no such table or index
+    table_name = f"leases_{unique}" if case == "lower" else f"Leases_{unique}"
     old, new = f"ix_{table_name}_state_completed_at", f"ix_{table_name}_not_held"
-    with postgres_store.engine.begin() as conn:
-        # the index as releases before this one made it
-        conn.exec_driver_sql(f"DROP INDEX {new}")
-        conn.exec_driver_sql(f"CREATE INDEX {old} ON {table_name} (state, completed_at)")
-    url = postgres_store.engine.url.render_as_string(hide_password=False)
-
-    with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
-        untouched = SqlStore.from_url(url, table_name=table_name, create_table=False)
-    untouched.close()
-    warning = caplog.text
-    assert "celery leases init-db" in warning
-    assert f"CREATE INDEX {new} ON {table_name} (state, completed_at) WHERE state <> 'held'" in (
-        warning
-    )
-    assert f"DROP INDEX {old}" in warning
-    assert set(_indexes(postgres_store.engine, table_name)) == {old}
-
-    engine = sa.create_engine(url)
+    engine = sa.create_engine(postgres_server.url)
     try:
-        create_table(engine, table_name)  # what init-db and a store that creates its table run
+        create_table(engine, table_name)
+        with engine.begin() as conn:
+            # the table as releases before this one made it
+            conn.exec_driver_sql(f'DROP INDEX "{new}"')
+            conn.exec_driver_sql(f'CREATE INDEX "{old}" ON "{table_name}" (state, completed_at)')
+            conn.exec_driver_sql(f'ALTER TABLE "{table_name}" DROP COLUMN task_id')
+
+        for create in (True, False):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
+                # a store's start adds the column (True) but builds no index
+                SqlStore(engine, table_name=table_name, create_table=create).close()
+            assert "celery leases init-db" in caplog.text, create
+            assert set(_indexes(engine, table_name)) == {old}
+        q = '"' if case == "Mixed" else ""  # quoted only where it must be
+        build = (
+            f"CREATE INDEX {q}{new}{q} ON {q}{table_name}{q} (state, completed_at) "
+            "WHERE state <> 'held'"
+        )
+        assert build in caplog.text
+        assert f"DROP INDEX {q}{old}{q}" in caplog.text
+
+        create_table(engine, table_name)  # what init-db runs
         assert set(_indexes(engine, table_name)) == {new}
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
             SqlStore(engine, table_name=table_name, create_table=False).close()
         assert "index" not in caplog.text
     finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP TABLE "{table_name}"')
         engine.dispose()
+
+
+def test_postgres_invalid_index_is_built_again(postgres_store: SqlStore, table_name: str) -> None:
+    new = f"ix_{table_name}_not_held"
+    with postgres_store.engine.begin() as conn:
+        # what a failed CREATE INDEX CONCURRENTLY leaves behind
+        conn.exec_driver_sql(
+            f"UPDATE pg_index SET indisvalid = false WHERE indexrelid = '{new}'::regclass"  # noqa: S608 - the test's own index
+        )
+    assert _indexes(postgres_store.engine, table_name)[new]["dialect_options"]["postgresql_invalid"]  # type: ignore[index]
+    create_table(postgres_store.engine, table_name)
+    index = _indexes(postgres_store.engine, table_name)[new]
+    assert "postgresql_invalid" not in index["dialect_options"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("dialect", "index"), [("postgresql", "not_held"), ("sqlite", "state_completed_at")]
+)
+def test_a_table_for_one_database_carries_its_index_only(dialect: str, index: str) -> None:
+    # what Alembic's autogenerate compares a database with
+    table = lease_table(sa.MetaData(), "leases", dialect=dialect)
+    assert [i.name for i in table.indexes] == [f"ix_leases_{index}"]

@@ -82,10 +82,12 @@ def add_column_statements_for(vendor: str, present: set[str]) -> list[str]:
     return add_column_statements(table, present, _dialect(vendor))
 
 
-def index_statements_for(vendor: str, present: set[str]) -> list[str]:
+def index_statements_for(vendor: str, present: set[str]) -> tuple[list[str], list[str]]:
     """The statements that give a lease table made by an earlier version
     this version's index (``present`` are the names of the indexes it has),
-    as the SQL store changes its own table's.
+    as the SQL store changes its own table's: the builds, then the drops,
+    which belong in a transaction after the builds' (see
+    :func:`celery_leases.stores.sql.create_table`).
 
     Raises:
         LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
