@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.sql_errors import FIX, permanent, reason
+from celery_leases.stores.sql_indexes import invalid_warning
 from celery_leases.stores.sql_mysql_engine import prepare_mysql_engine
 from celery_leases.stores.sql_postgres_engine import prepare_postgres_engine
 from celery_leases.stores.sql_sqlite_engine import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
@@ -39,6 +40,7 @@ from celery_leases.stores.sql_table import (
     add_missing_columns,
     build_indexes,
     drop_retired_indexes,
+    invalid_indexes,
     lease_table,
     upgrade_statements,
 )
@@ -132,19 +134,20 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
 def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Table:
     """:func:`create_table`; without ``change_index`` (a store opening, which
     must not wait for an index to be built), an older table's index is left
-    as it is and a warning gives the statements that change it."""
+    as it is and a warning gives the statements that change it, and a table
+    that lacks nothing is only looked at, without the DDL lock (which a
+    ``create_table`` building the index holds for as long as that takes)."""
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
     try:
+        if not change_index and _only_index_to_change(engine, table):
+            return table
         with engine.begin() as conn:
             dialect.lock_for_ddl(conn, table_name)
             try:
                 table.metadata.create_all(conn, checkfirst=True)
                 add_missing_columns(conn, table)
-                if change_index:
-                    to_drop = build_indexes(conn, table)
-                else:
-                    to_drop, index_statements = False, upgrade_statements(conn, table)[1]
+                to_drop = build_indexes(conn, table) if change_index else False
             finally:
                 dialect.unlock_for_ddl(conn, table_name)
         if to_drop:
@@ -157,27 +160,51 @@ def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Tab
                     drop_retired_indexes(conn, table)
                 finally:
                     dialect.unlock_for_ddl(conn, table_name)
+        _only_index_to_change(engine, table)  # warns of what is left
     except (exc.DBAPIError, exc.TimeoutError) as error:
         about = f"could not create the lease table {table_name!r} in {masked_url(engine)}"
         if permanent(error):
             raise LeaseConfigurationError(f"{about}: {reason(error)}. {FIX}") from error
         raise StoreUnavailable(f"{about}: {reason(error)}") from error
-    if not change_index:
-        _warn_of_index(engine, table, index_statements)
     return table
 
 
-def _warn_of_index(engine: Engine, table: sa.Table, statements: list[str]) -> None:
+def _only_index_to_change(engine: Engine, table: sa.Table) -> bool:
+    """True when ``table`` exists and lacks no column; then warn of what its
+    index lacks, if anything.
+
+    Raises:
+        sqlalchemy.exc.DBAPIError: the database could not be read.
+    """
+    try:
+        with engine.connect() as conn:
+            missing, indexes = upgrade_statements(conn, table)
+            invalid = invalid_indexes(conn, table)
+    except exc.NoSuchTableError:
+        return False
+    if missing:
+        return False
+    _warn_of_index(engine, table, indexes, invalid)
+    return True
+
+
+def _warn_of_index(
+    engine: Engine, table: sa.Table, statements: list[str], invalid: set[str]
+) -> None:
     """Warn that ``table`` lacks this release's index, if ``statements``
-    (those that change it) are to run."""
+    (those that change it) are to run, or that its index is ``invalid``."""
     if statements:
         logger.warning(
             "the lease table %r in %s lacks this release's index; run `celery leases init-db` "
-            "(docs/sql.md, The table, says how to build it without holding off writes) or: %s",
+            "(docs/sql.md, The table, says how to build it without holding off writes) or, "
+            "each in a transaction of its own: %s",
             table.name,
             masked_url(engine),
             "; ".join(statements),
         )
+    warning = invalid_warning(table.name, invalid, masked_url(engine))
+    if warning is not None:
+        logger.warning("%s", warning)
 
 
 def check_columns(engine: Engine, table: sa.Table) -> None:
@@ -195,9 +222,10 @@ def check_columns(engine: Engine, table: sa.Table) -> None:
     try:
         with engine.connect() as conn:
             missing, indexes = upgrade_statements(conn, table)
+            invalid = invalid_indexes(conn, table)
     except (exc.DBAPIError, exc.TimeoutError, exc.NoSuchTableError):
         return
-    _warn_of_index(engine, table, indexes)
+    _warn_of_index(engine, table, indexes, invalid)
     if missing:
         statements = "; ".join(missing)
         raise LeaseConfigurationError(

@@ -26,6 +26,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 
+from celery_leases.errors import LeaseConfigurationError
+
 #: per index (by the end of its name), the dialects that have it
 _MADE_IN: dict[str, tuple[str, ...]] = {
     "not_held": ("postgresql",),
@@ -73,6 +75,11 @@ def lease_indexes(table_name: str, dialect: str | None = None) -> list[sa.Index]
         ),
     }
     if dialect is not None:
+        known = {name for names in _MADE_IN.values() for name in names}
+        if dialect not in known:
+            raise LeaseConfigurationError(
+                f"the lease table has an index for {', '.join(sorted(known))}, not {dialect!r}"
+            )
         return [index for end, index in indexes.items() if dialect in _MADE_IN[end]]
     return [index.ddl_if(callable_=_made_in(end)) for end, index in indexes.items()]
 
@@ -93,30 +100,53 @@ def indexes_in(table: sa.Table, dialect_name: str) -> list[sa.Index]:
     )
 
 
+#: PostgreSQL: the names of a table's invalid indexes (one whose ``CREATE
+#: INDEX CONCURRENTLY`` failed, or is still running); the table is bound as
+#: ``:table``, its name as SQL writes it
+INVALID_INDEXES = (
+    "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+    "WHERE i.indrelid = CAST(:table AS regclass) AND NOT i.indisvalid"
+)
+
+
 def index_statements(
     table: sa.Table, present: Set[str], dialect: Dialect, invalid: Set[str] = frozenset()
 ) -> tuple[list[str], list[str]]:
     """What gives a table this release's index: the builds, then the drops.
 
     The builds are ``CREATE INDEX`` for each index ``dialect`` has that is
-    not among the ``present`` index names, after a ``DROP INDEX`` of one
-    that is there but ``invalid`` (PostgreSQL's mark on an index whose
-    ``CREATE INDEX CONCURRENTLY`` failed). The drops are ``DROP INDEX`` for
-    each index an earlier release made that is present. Only PostgreSQL's
-    index has changed, so elsewhere both are empty unless the index was
-    dropped by hand.
+    not among the ``present`` index names. The drops are ``DROP INDEX`` for
+    each index an earlier release made that is present, unless one of this
+    release's is ``invalid`` (its concurrent build failed or is still
+    running): the earlier one then stays until it is valid, and neither is
+    touched here (:func:`invalid_warning` says what to do). Only
+    PostgreSQL's index has changed, so elsewhere both are empty unless the
+    index was dropped by hand.
     """
     quote = dialect.identifier_preparer.quote
-    builds = []
-    for index in indexes_in(table, dialect.name):
-        name = str(index.name)
-        if name in invalid:
-            builds.append(f"DROP INDEX {quote(name)}")
-        if name not in present or name in invalid:
-            builds.append(str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip())
+    builds = [
+        str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip()
+        for index in indexes_in(table, dialect.name)
+        if index.name not in present
+    ]
+    if invalid & {str(index.name) for index in indexes_in(table, dialect.name)}:
+        return builds, []
     drops = [
         f"DROP INDEX {quote(name)}"
         for name in sorted(present)
         if _end(table, name) in _RETIRED.get(dialect.name, ())
     ]
     return builds, drops
+
+
+def invalid_warning(table_name: str, invalid: Set[str], where: str) -> str | None:
+    """What to do about this release's indexes that are ``invalid``, or None."""
+    ours = sorted(name for name in invalid if name.startswith(f"ix_{table_name}_"))
+    if not ours:
+        return None
+    return (
+        f"the index {', '.join(ours)} of the lease table {table_name!r} in {where} is invalid: "
+        "a CREATE INDEX CONCURRENTLY failed or is still running. Once none is running, drop "
+        "it (DROP INDEX CONCURRENTLY) and build it again (docs/sql.md, The table); until "
+        "then the earlier index stays"
+    )

@@ -19,7 +19,7 @@ from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
-from celery_leases.stores.sql_indexes import index_statements, lease_indexes
+from celery_leases.stores.sql_indexes import INVALID_INDEXES, index_statements, lease_indexes
 
 DEFAULT_TABLE_NAME = "celery_leases"
 
@@ -172,18 +172,22 @@ def _missing_columns(conn: Connection, table: sa.Table) -> list[str]:
     return add_column_statements(table, present, conn.dialect)
 
 
+def invalid_indexes(conn: Connection, table: sa.Table) -> set[str]:
+    """PostgreSQL: the names of the table's invalid indexes (elsewhere none)."""
+    if conn.dialect.name != "postgresql":
+        return set()
+    quoted = conn.dialect.identifier_preparer.format_table(table)
+    return set(conn.execute(sa.text(INVALID_INDEXES), {"table": quoted}).scalars())
+
+
 def _changed_indexes(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:
     """The builds and the drops that give an older table this release's index.
 
     Raises:
         sqlalchemy.exc.NoSuchTableError: there is no such table.
     """
-    found = sa.inspect(conn).get_indexes(table.name)
-    present = {str(i["name"]) for i in found}
-    invalid = {
-        str(i["name"]) for i in found if i.get("dialect_options", {}).get("postgresql_invalid")
-    }
-    return index_statements(table, present, conn.dialect, invalid)
+    present = {str(i["name"]) for i in sa.inspect(conn).get_indexes(table.name)}
+    return index_statements(table, present, conn.dialect, invalid_indexes(conn, table))
 
 
 def upgrade_statements(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:

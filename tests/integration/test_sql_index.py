@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import asyncpg
 
-from celery_leases import Acquired, Completed
+from celery_leases import Acquired, Completed, LeaseConfigurationError
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from tests.servers import PostgresServer
 
@@ -143,17 +143,40 @@ def test_postgres_table_with_the_earlier_index_is_warned_of_then_upgraded(
         engine.dispose()
 
 
-def test_postgres_invalid_index_is_built_again(postgres_store: SqlStore, table_name: str) -> None:
-    new = f"ix_{table_name}_not_held"
+def _set_valid(conn: sa.Connection, index: str, valid: bool) -> None:
+    conn.execute(
+        sa.text(
+            "UPDATE pg_index SET indisvalid = :valid WHERE indexrelid = CAST(:index AS regclass)"
+        ),
+        {"valid": valid, "index": index},
+    )
+
+
+def test_postgres_invalid_index_keeps_the_earlier_one_and_is_warned_of(
+    postgres_store: SqlStore, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    old, new = f"ix_{table_name}_state_completed_at", f"ix_{table_name}_not_held"
     with postgres_store.engine.begin() as conn:
-        # what a failed CREATE INDEX CONCURRENTLY leaves behind
-        conn.exec_driver_sql(
-            f"UPDATE pg_index SET indisvalid = false WHERE indexrelid = '{new}'::regclass"  # noqa: S608 - the test's own index
-        )
-    assert _indexes(postgres_store.engine, table_name)[new]["dialect_options"]["postgresql_invalid"]  # type: ignore[index]
+        conn.exec_driver_sql(f"CREATE INDEX {old} ON {table_name} (state, completed_at)")
+        # what a CREATE INDEX CONCURRENTLY leaves while it runs, or after it failed
+        _set_valid(conn, new, False)
+    with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
+        create_table(postgres_store.engine, table_name)
+    # neither touched: the build may still be running, and the earlier
+    # index serves until the new one is valid
+    assert set(_indexes(postgres_store.engine, table_name)) == {old, new}
+    assert f"the index {new} of the lease table {table_name!r}" in caplog.text
+    assert "is invalid" in caplog.text
+
+    with postgres_store.engine.begin() as conn:
+        _set_valid(conn, new, True)
     create_table(postgres_store.engine, table_name)
-    index = _indexes(postgres_store.engine, table_name)[new]
-    assert "postgresql_invalid" not in index["dialect_options"]  # type: ignore[operator]
+    assert set(_indexes(postgres_store.engine, table_name)) == {new}
+
+
+def test_a_table_for_an_unknown_database_is_refused() -> None:
+    with pytest.raises(LeaseConfigurationError, match="'postgres'"):
+        lease_table(sa.MetaData(), "leases", dialect="postgres")
 
 
 @pytest.mark.parametrize(

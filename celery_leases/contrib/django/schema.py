@@ -7,7 +7,7 @@ table made by ``manage.py migrate`` is the table ``SqlStore`` would make
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
 from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
+from celery_leases.stores.sql_indexes import INVALID_INDEXES as SQL_INVALID_INDEXES
 from celery_leases.stores.sql_indexes import index_statements, indexes_in
 from celery_leases.stores.sql_table import (
     DDL_LOCKS,
@@ -26,6 +27,7 @@ from celery_leases.stores.sql_table import (
 )
 
 __all__ = [
+    "INVALID_INDEXES",
     "add_column_statements_for",
     "create_statements",
     "ddl_lock_for",
@@ -82,9 +84,14 @@ def add_column_statements_for(vendor: str, present: set[str]) -> list[str]:
     return add_column_statements(table, present, _dialect(vendor))
 
 
-def index_statements_for(vendor: str, present: set[str]) -> tuple[list[str], list[str]]:
+def index_statements_for(
+    vendor: str,
+    present: Set[str],
+    invalid: Set[str] = frozenset(),
+) -> tuple[list[str], list[str]]:
     """The statements that give a lease table made by an earlier version
-    this version's index (``present`` are the names of the indexes it has),
+    this version's index (``present`` are the names of the indexes it has,
+    ``invalid`` those PostgreSQL marks invalid, see :data:`INVALID_INDEXES`),
     as the SQL store changes its own table's: the builds, then the drops,
     which belong in a transaction after the builds' (see
     :func:`celery_leases.stores.sql.create_table`).
@@ -93,7 +100,12 @@ def index_statements_for(vendor: str, present: set[str]) -> tuple[list[str], lis
         LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
     """
     table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
-    return index_statements(table, present, _dialect(vendor))
+    return index_statements(table, present, _dialect(vendor), invalid)
+
+
+#: PostgreSQL: the names of the lease table's invalid indexes (one ``%s``
+#: for the table's name)
+INVALID_INDEXES = SQL_INVALID_INDEXES.replace(":table", "%s")
 
 
 def ddl_lock_for(vendor: str) -> tuple[str | None, str | None, str]:
