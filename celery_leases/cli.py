@@ -314,8 +314,11 @@ def purge_command(ctx: click.Context, older_than: str, as_json: bool) -> None:
 @leases.command(name="init-db", cls=CeleryCommand)
 @click.pass_context
 def init_db_command(ctx: click.Context) -> None:
-    """Create the SQL lease table and its index (safe to run again)."""
-    with _store(ctx) as store:
+    """Create the SQL lease table and its index, or bring a table an earlier
+    version made up to this one (safe to run again)."""
+    # create_table=True: a store that does not create its table refuses one
+    # that lacks columns, which this command is there to add
+    with _store(ctx, create_table=True) as store:
         engine = getattr(store, "engine", None)
         if engine is None:
             click.echo(f"nothing to do: the store {store.url} needs no schema")

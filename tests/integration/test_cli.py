@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from celery_leases import LeaseState, LeaseStore, Refusal, open_store
 from celery_leases.cli import (
@@ -25,6 +26,7 @@ from celery_leases.cli import (
     EXIT_REFUSED,
     EXIT_UNAVAILABLE,
 )
+from celery_leases.stores.sql import create_table
 from tests.integration.test_conformance import backdate_completion, wait_for_store_clock
 from tests.servers import MariadbServer, PostgresServer, RedisServer, free_port
 
@@ -253,6 +255,41 @@ def test_init_db_creates_the_sql_table(
     assert cli("init-db").returncode == 0  # again: nothing to do
     assert cli.json("ls")["total"] == 0
     assert cli("ls").stdout == "no lease records\n"
+
+
+def test_init_db_brings_a_table_of_an_earlier_version_up_to_this_one(
+    sql_server: PostgresServer | MariadbServer, unique: str
+) -> None:
+    table_name = f"init_{unique}"
+    engine = sa.create_engine(sql_server.url)
+    try:
+        create_table(engine, table_name)
+        with engine.begin() as conn:
+            # what an earlier version made: no task_id column, and in
+            # PostgreSQL the index led by state with the held records in it
+            conn.exec_driver_sql(f"ALTER TABLE {table_name} DROP COLUMN task_id")
+            if engine.dialect.name == "postgresql":
+                conn.exec_driver_sql(f"DROP INDEX ix_{table_name}_not_held")
+                conn.exec_driver_sql(
+                    f"CREATE INDEX ix_{table_name}_state_completed_at "
+                    f"ON {table_name} (state, completed_at)"
+                )
+        cli = Cli(sql_server.url, {"table_name": table_name, "create_table": False})
+        refused = cli("ls")
+        assert refused.returncode == EXIT_CONFIGURATION, refused.stderr
+        assert "celery leases init-db" in refused.stderr
+        result = cli("init-db")
+        assert result.returncode == 0, result.stderr
+        inspector = sa.inspect(engine)
+        assert "task_id" in {c["name"] for c in inspector.get_columns(table_name)}
+        indexes = {i["name"] for i in inspector.get_indexes(table_name)}
+        expected = "not_held" if engine.dialect.name == "postgresql" else "state_completed_at"
+        assert indexes == {f"ix_{table_name}_{expected}"}
+        assert cli("ls").stdout == "no lease records\n"
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE {table_name}")
+        engine.dispose()
 
 
 def test_an_unreachable_store_exits_4_and_never_shows_the_password() -> None:
