@@ -12,16 +12,18 @@ store opened from a URL.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask, secrets_of
@@ -40,7 +42,6 @@ from celery_leases.stores.sql_table import (
     add_missing_columns,
     build_indexes,
     drop_retired_indexes,
-    invalid_indexes,
     lease_table,
     upgrade_statements,
 )
@@ -142,24 +143,16 @@ def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Tab
     try:
         if not change_index and _only_index_to_change(engine, table):
             return table
-        with engine.begin() as conn:
-            dialect.lock_for_ddl(conn, table_name)
-            try:
-                table.metadata.create_all(conn, checkfirst=True)
-                add_missing_columns(conn, table)
-                to_drop = build_indexes(conn, table) if change_index else False
-            finally:
-                dialect.unlock_for_ddl(conn, table_name)
+        with _under_ddl_lock(engine, dialect, table_name) as conn:
+            table.metadata.create_all(conn, checkfirst=True)
+            add_missing_columns(conn, table)
+            to_drop = build_indexes(conn, table) if change_index else False
         if to_drop:
             # after the build has committed: DROP INDEX waits for every
             # transaction that has read the table, and one of those waiting
             # for the build's lock in turn would deadlock with it
-            with engine.begin() as conn:
-                dialect.lock_for_ddl(conn, table_name)
-                try:
-                    drop_retired_indexes(conn, table)
-                finally:
-                    dialect.unlock_for_ddl(conn, table_name)
+            with _under_ddl_lock(engine, dialect, table_name) as conn:
+                drop_retired_indexes(conn, table)
         _only_index_to_change(engine, table)  # warns of what is left
     except (exc.DBAPIError, exc.TimeoutError) as error:
         about = f"could not create the lease table {table_name!r} in {masked_url(engine)}"
@@ -167,6 +160,17 @@ def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Tab
             raise LeaseConfigurationError(f"{about}: {reason(error)}. {FIX}") from error
         raise StoreUnavailable(f"{about}: {reason(error)}") from error
     return table
+
+
+@contextlib.contextmanager
+def _under_ddl_lock(engine: Engine, dialect: _Dialect, table_name: str) -> Iterator[Connection]:
+    """A transaction holding the lock that serializes DDL on the lease table."""
+    with engine.begin() as conn:
+        dialect.lock_for_ddl(conn, table_name)
+        try:
+            yield conn
+        finally:
+            dialect.unlock_for_ddl(conn, table_name)
 
 
 def _only_index_to_change(engine: Engine, table: sa.Table) -> bool:
@@ -178,8 +182,7 @@ def _only_index_to_change(engine: Engine, table: sa.Table) -> bool:
     """
     try:
         with engine.connect() as conn:
-            missing, indexes = upgrade_statements(conn, table)
-            invalid = invalid_indexes(conn, table)
+            missing, indexes, invalid = upgrade_statements(conn, table)
     except exc.NoSuchTableError:
         return False
     if missing:
@@ -221,8 +224,7 @@ def check_columns(engine: Engine, table: sa.Table) -> None:
     """
     try:
         with engine.connect() as conn:
-            missing, indexes = upgrade_statements(conn, table)
-            invalid = invalid_indexes(conn, table)
+            missing, indexes, invalid = upgrade_statements(conn, table)
     except (exc.DBAPIError, exc.TimeoutError, exc.NoSuchTableError):
         return
     _warn_of_index(engine, table, indexes, invalid)

@@ -124,12 +124,13 @@ def index_statements(
     index was dropped by hand.
     """
     quote = dialect.identifier_preparer.quote
+    ours = indexes_in(table, dialect.name)
     builds = [
         str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip()
-        for index in indexes_in(table, dialect.name)
+        for index in ours
         if index.name not in present
     ]
-    if invalid & {str(index.name) for index in indexes_in(table, dialect.name)}:
+    if invalid & {str(index.name) for index in ours}:
         return builds, []
     drops = [
         f"DROP INDEX {quote(name)}"

@@ -180,25 +180,31 @@ def invalid_indexes(conn: Connection, table: sa.Table) -> set[str]:
     return set(conn.execute(sa.text(INVALID_INDEXES), {"table": quoted}).scalars())
 
 
-def _changed_indexes(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:
-    """The builds and the drops that give an older table this release's index.
+def _changed_indexes(
+    conn: Connection, table: sa.Table, invalid: Set[str]
+) -> tuple[list[str], list[str]]:
+    """The builds and the drops that give an older table this release's
+    index, given its ``invalid`` indexes.
 
     Raises:
         sqlalchemy.exc.NoSuchTableError: there is no such table.
     """
     present = {str(i["name"]) for i in sa.inspect(conn).get_indexes(table.name)}
-    return index_statements(table, present, conn.dialect, invalid_indexes(conn, table))
+    return index_statements(table, present, conn.dialect, invalid)
 
 
-def upgrade_statements(conn: Connection, table: sa.Table) -> tuple[list[str], list[str]]:
+def upgrade_statements(conn: Connection, table: sa.Table) -> tuple[list[str], list[str], set[str]]:
     """What a table made by an older release lacks: the statements that add
-    its columns, and those that change its index (builds, then drops).
+    its columns, those that change its index (builds, then drops), and the
+    names of its invalid indexes (:func:`invalid_indexes`).
 
     Raises:
         sqlalchemy.exc.NoSuchTableError: there is no such table.
     """
-    builds, drops = _changed_indexes(conn, table)
-    return _missing_columns(conn, table), builds + drops
+    missing = _missing_columns(conn, table)  # first: it finds a missing table
+    invalid = invalid_indexes(conn, table)
+    builds, drops = _changed_indexes(conn, table, invalid)
+    return missing, builds + drops, invalid
 
 
 def add_missing_columns(conn: Connection, table: sa.Table) -> None:
@@ -212,7 +218,7 @@ def build_indexes(conn: Connection, table: sa.Table) -> bool:
     statement time limit (PostgreSQL: it may take long on a large table);
     true when an index of an earlier release is left to drop.
     """
-    builds, drops = _changed_indexes(conn, table)
+    builds, drops = _changed_indexes(conn, table, invalid_indexes(conn, table))
     if builds and conn.dialect.name == "postgresql":
         conn.execute(sa.text("SET LOCAL statement_timeout = 0"))
     for statement in builds:
@@ -222,7 +228,7 @@ def build_indexes(conn: Connection, table: sa.Table) -> bool:
 
 def drop_retired_indexes(conn: Connection, table: sa.Table) -> None:
     """Drop each index of an earlier release that the table still has."""
-    for statement in _changed_indexes(conn, table)[1]:
+    for statement in _changed_indexes(conn, table, invalid_indexes(conn, table))[1]:
         conn.execute(sa.text(statement))
 
 

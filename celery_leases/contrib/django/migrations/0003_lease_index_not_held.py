@@ -16,6 +16,7 @@ from celery_leases.contrib.django.schema import (
     ddl_locked,
     index_statements_for,
 )
+from celery_leases.stores.sql_indexes import invalid_warning
 from celery_leases.stores.sql_table import DEFAULT_TABLE_NAME
 
 logger = logging.getLogger("celery_leases.contrib.django")
@@ -45,14 +46,11 @@ def _change_index(apps: Any, schema_editor: Any) -> None:
                 cursor.execute("SET LOCAL statement_timeout = 0")
             for statement in statements:
                 schema_editor.execute(statement)
-            if step == 0 and invalid:
-                logger.warning(
-                    "the index %s of %s is invalid (a CREATE INDEX CONCURRENTLY failed or is "
-                    "still running): drop it and migrate again; until then the earlier index "
-                    "stays",
-                    ", ".join(sorted(invalid)),
-                    DEFAULT_TABLE_NAME,
-                )
+            warning = invalid_warning(
+                DEFAULT_TABLE_NAME, invalid, f"Django's database {connection.alias!r}"
+            )
+            if step == 0 and warning is not None:
+                logger.warning("%s", warning)
 
 
 class Migration(migrations.Migration):
