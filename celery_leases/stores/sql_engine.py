@@ -39,10 +39,12 @@ from celery_leases.stores.sql_table import (
     DEFAULT_TABLE_NAME,
     MYSQL_NAMES,
     _Dialect,
+    lease_table,
+)
+from celery_leases.stores.sql_upgrade import (
     add_missing_columns,
     build_indexes,
     drop_retired_indexes,
-    lease_table,
     upgrade_statements,
 )
 

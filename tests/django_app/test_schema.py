@@ -22,7 +22,7 @@ from celery_leases.fencing.sql import create_fence_table
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.sql import SqlStore, create_table, lease_table
 from celery_leases.stores.sql_engine import dialect_for
-from celery_leases.stores.sql_table import add_missing_columns
+from celery_leases.stores.sql_upgrade import add_missing_columns
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
