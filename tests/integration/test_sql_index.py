@@ -186,3 +186,22 @@ def test_a_table_for_one_database_carries_its_index_only(dialect: str, index: st
     # what Alembic's autogenerate compares a database with
     table = lease_table(sa.MetaData(), "leases", dialect=dialect)
     assert [i.name for i in table.indexes] == [f"ix_leases_{index}"]
+
+
+def test_a_store_start_on_a_complete_table_does_not_wait_for_the_ddl_lock(
+    postgres_store: SqlStore, table_name: str
+) -> None:
+    # init-db building the index holds this lock for as long as the build
+    # takes; a worker's store start must not wait for it (its lock_timeout
+    # of 1 s would end the start with StoreUnavailable)
+    url = postgres_store.engine.url.render_as_string(hide_password=False)
+    with postgres_store.engine.begin() as conn:
+        conn.execute(
+            sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+            {"name": f"celery_leases:{table_name}"},
+        )
+        store = SqlStore.from_url(url, table_name=table_name, timeout=1.0)
+        try:
+            assert isinstance(store.claim("job-1", A, 30), Acquired)
+        finally:
+            store.close()
