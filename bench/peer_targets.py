@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["TARGETS", "Target", "ratios_to", "target_lines"]
+__all__ = ["TARGETS", "Target", "ratios_to", "run_order", "target_lines"]
 
 
 class Run(Protocol):
@@ -52,6 +52,23 @@ TARGETS = (
     Target("50ms", "leases-redis", "plain-acks-late", 0.02),
     Target("trivial", "leases-postgres", "floor-postgres", 0.03),
 )
+
+
+def run_order(kinds: Sequence[str], repetition: int) -> list[str]:
+    """The order one repetition runs ``kinds`` in.
+
+    Plain Celery first, then the kinds of each target, the two compared
+    kinds side by side, then the rest in the order given; every other
+    repetition runs it backwards. The shared machine's speed drifts by a
+    third within a minute (plain Celery alone, run ten times in a row), so
+    the kinds a verdict compares, and plain Celery they are divided by, run
+    next to each other, and each of two neighbours goes first as often.
+    """
+    order = ["plain"]
+    for target in TARGETS:
+        order += [target.kind, target.against]
+    ordered = [k for k in dict.fromkeys([*order, *kinds]) if k in kinds]
+    return ordered[::-1] if repetition % 2 else ordered
 
 
 def ratios_to(runs: Sequence[Run], kind: str, base: str, workload: str, pool: str) -> list[float]:

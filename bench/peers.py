@@ -6,8 +6,9 @@ Run it from the repository root (``pip install -e '.[dev,bench]'`` first)::
     .venv/bin/python bench/peers.py --quick             # a smoke profile, seconds
 
 Every kind runs the same task (``bench/peer_tasks.py``) on a real ``celery
-worker``, for each workload and pool. A repetition runs every kind once, in
-an order that rotates between repetitions; a kind's ratio in a repetition is
+worker``, for each workload and pool. A repetition runs every kind once,
+the kinds a target compares next to each other and to plain Celery, forwards
+and backwards in turn (``peer_targets.run_order``); a kind's ratio in a repetition is
 its throughput over plain Celery's in that repetition, and the table shows
 the median ratio over the repetitions and its spread. Throughput is timed
 from the first to the last result the backend holds (worker start-up is
@@ -51,7 +52,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from peer_targets import ratios_to, target_lines  # noqa: E402
+from peer_targets import ratios_to, run_order, target_lines  # noqa: E402
 from peer_tasks import (  # noqa: E402
     GUARANTEE_NAMES,
     GUARANTEES,
@@ -500,8 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             for pool in args.pools.split(","):
                 for rep in range(args.repetitions):
-                    shift = rep % len(runnable)
-                    for kind in runnable[shift:] + runnable[:shift]:
+                    for kind in run_order(runnable, rep):
                         load = os.getloadavg()[0]
                         try:
                             rate, cpu, cmds, _, redis_cpu = _run(

@@ -96,3 +96,26 @@ def test_only_targets_whose_kinds_ran_are_judged() -> None:
     assert [line for line in lines if line.startswith("| trivial")] == [
         "| trivial, leases-redis >= floor - 0.02 | 0.75 / 0.77, paired 0.97: met |"
     ]
+
+
+def test_the_kinds_a_target_compares_run_side_by_side_and_next_to_plain() -> None:
+    kinds = ["plain", "plain-acks-late", "leases-redis", "leases-postgres", "floor",
+             "floor-postgres", "celery-once"]  # fmt: skip
+    forwards, backwards = targets.run_order(kinds, 0), targets.run_order(kinds, 1)
+    assert sorted(forwards) == sorted(kinds)
+    assert backwards == forwards[::-1]
+    assert targets.run_order(kinds, 2) == forwards
+    assert forwards[:3] == ["plain", "leases-redis", "floor"]
+    for target in targets.TARGETS:
+        at = forwards.index(target.kind)
+        assert forwards.index(target.against) - at in (1, 2), target  # plain-acks-late: 2
+    assert abs(forwards.index("leases-postgres") - forwards.index("floor-postgres")) == 1
+    # a kind no target names keeps its place after the targets' kinds
+    assert forwards[-1] == "celery-once"
+
+
+def test_the_run_order_leaves_out_kinds_that_do_not_run() -> None:
+    assert targets.run_order(["plain", "floor", "leases-redis"], 0) == [
+        "plain", "leases-redis", "floor",
+    ]  # fmt: skip
+    assert targets.run_order(["plain", "celery-once"], 1) == ["celery-once", "plain"]
