@@ -204,8 +204,11 @@ def _run(
     if kind in ("floor-postgres", "floor-sqlite"):
         create_sql_floor_table(store_url)
 
+    # The publisher reads no results: on the Redis backend every send would
+    # subscribe to its result's channel, and every dropped AsyncResult
+    # unsubscribe, leaving the connection behind after the run
     client, task = make_app(
-        kind, broker=broker_url, backend=backend_url, store=store_url,
+        kind, broker=broker_url, backend="disabled://", store=store_url,
         queue=queue, work=work, ttl=ttl,
     )  # fmt: skip
     queues = queue
