@@ -183,6 +183,54 @@ async def _apush(task: Any, tasks: int) -> None:
         await redis_manager.close()  # its client is bound to this event loop
 
 
+def publish(
+    kind: str, broker_url: str, store_url: str, queue: str, work: float, ttl: float, tasks: int
+) -> str:
+    """Send ``tasks`` tasks of ``kind`` to ``queue``; the queues its worker consumes."""
+    # The publisher reads no results: on the Redis backend every send would
+    # subscribe to its result's channel, and every dropped AsyncResult
+    # unsubscribe, leaving the connection behind after the run
+    client, task = make_app(
+        kind, broker=broker_url, backend="disabled://", store=store_url,
+        queue=queue, work=work, ttl=ttl,
+    )  # fmt: skip
+    queues = queue
+    if kind == "relier":  # its own queues, emptied first as their names are fixed
+        queues = ",".join(RELIER_QUEUES)
+        redis.Redis.from_url(broker_url).delete(*RELIER_QUEUES)
+        asyncio.run(_apush(task, tasks))  # one event loop (push starts one per task)
+    else:
+        with client.producer_or_acquire() as producer:
+            for n in range(tasks):
+                task.apply_async((n,), queue=queue, producer=producer)
+    client.close()
+    return queues
+
+
+def worker_env(
+    kind: str, broker_url: str, backend_url: str, store_url: str, queue: str,
+    work: float, ttl: float, prefetch: int = 1,
+) -> dict[str, str]:  # fmt: skip
+    """The environment ``bench/peer_tasks.py`` reads its worker's app from."""
+    return {
+        **os.environ,
+        "BENCH_KIND": kind, "BENCH_BROKER": broker_url, "BENCH_BACKEND": backend_url,
+        "BENCH_STORE": store_url, "BENCH_QUEUE": queue, "BENCH_WORK": str(work),
+        "BENCH_TTL": str(ttl), "BENCH_PREFETCH": str(prefetch),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCH_DIR)]),
+    }  # fmt: skip
+
+
+def worker_args(pool: str, concurrency: int, queues: str, queue: str, log: Path) -> list[str]:
+    """``python``'s arguments that start a quiet ``celery worker`` of ``peer_tasks``."""
+    return [
+        "-m", "celery", "-A", "peer_tasks", "worker",
+        "--pool", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{queue}@%h",
+        "--without-mingle", "--without-gossip", "--without-heartbeat",
+        "--loglevel", "WARNING", "--logfile", str(log),
+    ]  # fmt: skip
+
+
 def _run(
     servers: Servers, kind: str, workload: str, pool: str, concurrency: int,
     tasks: int, ttl: float, log_dir: Path, monitor: bool = False, profile: Path | None = None,
@@ -204,39 +252,13 @@ def _run(
     if kind in ("floor-postgres", "floor-sqlite"):
         create_sql_floor_table(store_url)
 
-    # The publisher reads no results: on the Redis backend every send would
-    # subscribe to its result's channel, and every dropped AsyncResult
-    # unsubscribe, leaving the connection behind after the run
-    client, task = make_app(
-        kind, broker=broker_url, backend="disabled://", store=store_url,
-        queue=queue, work=work, ttl=ttl,
-    )  # fmt: skip
-    queues = queue
-    if kind == "relier":  # its own queues, emptied first as their names are fixed
-        queues = ",".join(RELIER_QUEUES)
-        redis.Redis.from_url(broker_url).delete(*RELIER_QUEUES)
-        asyncio.run(_apush(task, tasks))  # one event loop (push starts one per task)
-    else:
-        with client.producer_or_acquire() as producer:
-            for n in range(tasks):
-                task.apply_async((n,), queue=queue, producer=producer)
-    client.close()
-
-    env = {
-        **os.environ,
-        "BENCH_KIND": kind, "BENCH_BROKER": broker_url, "BENCH_BACKEND": backend_url,
-        "BENCH_STORE": store_url, "BENCH_QUEUE": queue, "BENCH_WORK": str(work),
-        "BENCH_TTL": str(ttl), "BENCH_PREFETCH": str(prefetch),
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(BENCH_DIR)]),
-    }  # fmt: skip
+    queues = publish(kind, broker_url, store_url, queue, work, ttl, tasks)
+    env = worker_env(kind, broker_url, backend_url, store_url, queue, work, ttl, prefetch)
     log = log_dir / f"{queue}.log"
     worker = subprocess.Popen(
         [
             sys.executable, *(("-m", "cProfile", "-o", str(profile)) if profile else ()),
-            "-m", "celery", "-A", "peer_tasks", "worker",
-            "--pool", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{queue}@%h",
-            "--without-mingle", "--without-gossip", "--without-heartbeat",
-            "--loglevel", "WARNING", "--logfile", str(log),
+            *worker_args(pool, concurrency, queues, queue, log),
         ],
         cwd=BENCH_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
