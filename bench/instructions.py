@@ -4,7 +4,7 @@ Run it from the repository root (``pip install -e '.[dev,bench]'`` and
 ``apt-get install valgrind`` first)::
 
     .venv/bin/python bench/instructions.py              # about 10 minutes
-    .venv/bin/python bench/instructions.py --quick      # a smoke profile, about a minute
+    .venv/bin/python bench/instructions.py --quick      # a smoke profile, about 30 s
 
 On a shared machine a second of CPU stretches with the host's load (the
 worker's CPU per task of one kind moved by a third within two minutes on
@@ -165,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=1100, help="tasks of the longer run")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every kind")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke: floor, leases-redis, 5 and 25 tasks, 1 round"
+        "--quick", action="store_true", help="smoke: leases-redis, 5 and 25 tasks, 1 round"
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.kinds, args.small, args.large, args.rounds = "floor,leases-redis", 5, 25, 1
+        args.kinds, args.small, args.large, args.rounds = "leases-redis", 5, 25, 1
     kinds = args.kinds.split(",")
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:

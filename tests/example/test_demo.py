@@ -88,12 +88,20 @@ def test_demo_on_redis_and_postgresql(
     check_timeline(report)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_process_the_demo_started_also_a_frozen_one(tmp_path: Path) -> None:
     demo = subprocess.Popen(
         [sys.executable, str(REPO_ROOT / "example_project" / "run.py")],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # as at a terminal: a suite started in the background by a shell
+        # without job control inherits SIGINT ignored, and Python then
+        # installs no KeyboardInterrupt for it
+        preexec_fn=_default_sigint,
     )
     try:
         assert demo.stdout is not None

@@ -208,9 +208,12 @@ def test_a_deferred_copy_keeps_its_parent_and_root(
 
     held_id, orphan_id = uuid.uuid4().hex, uuid.uuid4().hex
     store = store_for(app)
-    store.claim(held_id, "another-worker:1:abc", 1.0)
-    store.claim(orphan_id, "another-worker:1:abc", 1.0)
     with worker(app):
+        # held by another worker when the copies arrive (claimed once this
+        # worker runs, for long enough that a loaded machine still finds
+        # them held), so each copy is deferred before it runs
+        store.claim(held_id, "another-worker:1:abc", 3.0)
+        store.claim(orphan_id, "another-worker:1:abc", 3.0)
         adopted = child.apply_async(task_id=held_id, parent_id="parent-1", root_id="root-1")
         orphan = child.apply_async(task_id=orphan_id)
         adopted.get(timeout=WAIT)
