@@ -90,7 +90,12 @@ def _find(events: list[Event], worker: str, event: str) -> Event | None:
     return next((e for e in events if e.worker == worker and e.event == event), None)
 
 
-def run_demo(config: Config, report: DemoReport, *, say: Callable[[str], None] = print) -> None:
+def _say(line: str) -> None:
+    """Print a step as it happens, also when the output goes to a pipe."""
+    print(line, flush=True)
+
+
+def run_demo(config: Config, report: DemoReport, *, say: Callable[[str], None] = _say) -> None:
     """Run the scenario on ``config``; fill ``report``. Stops what it started."""
     config.make_folders()
     service = ReceiptService()
