@@ -23,7 +23,6 @@ natively; it does the same for every kind. The store's server runs with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import re
@@ -46,15 +45,17 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
 
 from peers import publish, worker_args, worker_env  # noqa: E402
 
+from tests.servers import RedisServer  # noqa: E402
+
 #: the kinds this script can count: a worker, and a Redis store or none
 KINDS = ("plain", "plain-acks-late", "floor", "leases-redis")
 #: seconds a counted worker may take for its tasks (valgrind is about 50 times slower)
 WAIT = 1800.0
 
 
-def _counted(out: Path) -> list[str]:
+def _counted(out: Path) -> tuple[str, ...]:
     """The valgrind prefix that counts a process's instructions into ``out``."""
-    return ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}"]
+    return ("valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}")
 
 
 def _instructions(out: Path) -> int:
@@ -65,41 +66,17 @@ def _instructions(out: Path) -> int:
     return int(found[1])
 
 
-def _free_port() -> int:
-    from tests.servers import free_port
-
-    return int(free_port())
-
-
-def _counted_store(folder: Path) -> tuple[subprocess.Popen[bytes], redis.Redis]:
-    """A redis-server like the peers benchmark's store (AOF, ``everysec``), counted."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [
-            *_counted(folder / "store.cg"), "redis-server", "--bind", "127.0.0.1",
-            "--port", str(port), "--dir", str(folder), "--save", "", "--appendonly", "yes",
-            "--appendfsync", "everysec", "--hz", "1", "--logfile", str(folder / "store.log"),
-        ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 120
-    while True:
-        with contextlib.suppress(redis.ConnectionError):
-            client.ping()
-            return server, client
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the counted redis-server did not start; see {folder}")
-        time.sleep(0.1)
-
-
 def count(kind: str, tasks: int, broker_port: int, folder: Path) -> tuple[int, int]:
     """Instructions of a solo worker running ``tasks`` tasks of ``kind``, and of its store."""
     folder.mkdir(parents=True)
-    store, store_client = _counted_store(folder)
+    # the peers benchmark's store (AOF, ``everysec``); ``--hz 1``: its idle
+    # timer adds almost nothing to the longer run
+    store = RedisServer(
+        "--appendfsync", "everysec", "--hz", "1", prefix=_counted(folder / "store.cg")
+    )
     broker_url = f"redis://127.0.0.1:{broker_port}/0"
     backend_url = f"redis://127.0.0.1:{broker_port}/1"
-    store_url = f"redis://127.0.0.1:{store_client.connection_pool.connection_kwargs['port']}/0"
+    store_url = store.url
     backend = redis.Redis.from_url(backend_url)
     backend.flushdb()
     queue = f"instructions-{kind}-{time.monotonic_ns()}"
@@ -123,11 +100,8 @@ def count(kind: str, tasks: int, broker_port: int, folder: Path) -> tuple[int, i
             worker.send_signal(signal.SIGTERM)  # a warm shutdown writes the count
             worker.wait(timeout=WAIT)
     finally:
-        with contextlib.suppress(redis.RedisError):
-            store_client.shutdown(nosave=True)
-        store.wait(timeout=WAIT)
+        store.close()  # a clean shutdown (SIGTERM) writes the count
         backend.close()
-        store_client.close()
     return _instructions(folder / "worker.cg"), _instructions(folder / "store.cg")
 
 
@@ -180,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("valgrind is not installed (apt-get install valgrind)")
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python bench/instructions.py", *given])
-
-    from tests.servers import RedisServer
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     folder = Path(tempfile.mkdtemp(prefix="bench-instructions-"))

@@ -100,11 +100,15 @@ class _ServerProcess(abc.ABC):
 class RedisServer(_ServerProcess):
     """A redis-server process with AOF persistence in its own folder.
 
-    ``env`` is added to the server's environment (a test clock, say).
+    ``env`` is added to the server's environment (a test clock, say);
+    ``prefix`` is a command the server runs under (a profiler, say).
     """
 
-    def __init__(self, *extra_args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *extra_args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> None:
         self.env = env or {}
+        self.prefix = prefix
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServerMissing("redis-server is not installed (apt-get install redis-server)")
@@ -122,6 +126,7 @@ class RedisServer(_ServerProcess):
     def start(self) -> None:
         """Start (or start again) on the same port and data folder."""
         args = [
+            *self.prefix,
             self.binary,
             "--bind", "127.0.0.1",
             "--port", str(self.port),
