@@ -55,18 +55,10 @@ __all__ = ["ENV_STORE", "LeaseFaults"]
 #: environment variable that names the store for ``lease_store_url``
 ENV_STORE = "CELERY_LEASES_TEST_STORE"
 
-#: the store operations that ``store_down()`` makes fail
-_STORE_HOOKS = (
-    "_claim",
-    "_renew",
-    "_renew_many",
-    "_complete",
-    "_release",
-    "_get",
-    "_records",
-    "_purge_completed",
-    "_now_ms",
-)
+#: the store operations that ``store_down()`` makes fail: every hook a store
+#: implements (the abstract methods of :class:`LeaseStore`), so a hook added
+#: to the base class is failed too
+_STORE_HOOKS = tuple(sorted(LeaseStore.__abstractmethods__))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

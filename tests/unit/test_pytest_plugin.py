@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from celery_leases import (
     LeaseConfigurationError,
     LeaseStore,
     Refusal,
+    RenewRequest,
     StoreUnavailable,
 )
 from celery_leases.pytest_plugin import ENV_STORE, LeaseFaults
@@ -54,12 +56,41 @@ def test_steal_makes_the_holder_stale(lease_store: LeaseStore, lease_faults: Lea
 def test_store_down_fails_every_operation_until_the_block_ends(
     lease_store: LeaseStore, lease_faults: LeaseFaults
 ) -> None:
+    held = lease_store.claim("held", "owner-a", 60.0)
+    assert isinstance(held, Acquired)
+    every_operation: dict[str, Callable[[], object]] = {
+        "claim": lambda: lease_store.claim("job", "owner-a", 10.0),
+        "renew": lambda: lease_store.renew("held", "owner-a", held.generation, 10.0),
+        "renew_many": lambda: lease_store.renew_many(
+            [RenewRequest("held", "owner-a", held.generation, 10.0)]
+        ),
+        "complete": lambda: lease_store.complete("held", "owner-a", held.generation),
+        "release": lambda: lease_store.release("held", "owner-a", held.generation),
+        "force_release": lambda: lease_store.force_release("held", by="ops", reason="test"),
+        "get": lambda: lease_store.get("held"),
+        "records": lambda: list(lease_store.records()),
+        "purge": lambda: lease_store.purge(60.0),
+        "now_ms": lease_store.now_ms,
+    }
     with lease_faults.store_down():
-        with pytest.raises(StoreUnavailable, match="store_down"):
-            lease_store.claim("job", "owner-a", 10.0)
-        with pytest.raises(StoreUnavailable):
-            lease_store.get("job")
+        for name, operation in every_operation.items():
+            with pytest.raises(StoreUnavailable, match="store_down"):
+                operation()
+    # after the block every operation reaches the store again
     assert isinstance(lease_store.claim("job", "owner-a", 10.0), Acquired)
+    assert lease_store.force_release("held", by="ops", reason="test").generation > held.generation
+
+
+def test_store_down_covers_every_hook_a_store_implements() -> None:
+    public = {
+        name
+        for name, value in vars(LeaseStore).items()
+        if callable(value) and not name.startswith("_")
+    }
+    hooks = {name.lstrip("_") for name in LeaseStore.__abstractmethods__}
+    # each public operation reaches the store through a hook of its own name
+    # (purge_completed is purge's alias), so failing every hook fails them all
+    assert public - hooks <= {"purge_completed", "close"}
 
 
 def test_a_store_url_from_the_environment_is_used(
