@@ -58,6 +58,7 @@ def test_store_down_fails_every_operation_until_the_block_ends(
 ) -> None:
     held = lease_store.claim("held", "owner-a", 60.0)
     assert isinstance(held, Acquired)
+    # the traceback of a failure shows which one reached the store
     every_operation: dict[str, Callable[[], object]] = {
         "claim": lambda: lease_store.claim("job", "owner-a", 10.0),
         "renew": lambda: lease_store.renew("held", "owner-a", held.generation, 10.0),
@@ -73,7 +74,7 @@ def test_store_down_fails_every_operation_until_the_block_ends(
         "now_ms": lease_store.now_ms,
     }
     with lease_faults.store_down():
-        for name, operation in every_operation.items():
+        for operation in every_operation.values():
             with pytest.raises(StoreUnavailable, match="store_down"):
                 operation()
     # after the block every operation reaches the store again
