@@ -32,6 +32,24 @@ collect_ignore = ["django_app"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--bench",
+        action="store_true",
+        default=False,
+        help="also run the benchmarks' long smoke profiles (marked bench)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("bench"):
+        return
+    opt_in = pytest.mark.skip(reason="a benchmark's long smoke profile: run with --bench")
+    for item in items:
+        if item.get_closest_marker("bench") is not None:
+            item.add_marker(opt_in)
+
 STORE_KINDS = ["memory", "redis", "postgres", "sqlite", "mysql"]
 
 

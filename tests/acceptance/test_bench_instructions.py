@@ -20,6 +20,7 @@ from tests.bench_runs import run_bench
 pytestmark = pytest.mark.redis
 
 
+@pytest.mark.bench
 def test_smoke_profile_counts_worker_and_store() -> None:
     out = run_bench("instructions.py", "--quick", timeout=600)
     assert "python bench/instructions.py --quick" in out
