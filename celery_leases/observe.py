@@ -40,8 +40,6 @@ _claims: weakref.WeakKeyDictionary[Lease, tuple[str | None, str | None]] = (
 )
 _lock = threading.Lock()
 _connected = False
-#: the receiver :func:`connect` put on each signal, by signal name
-_own: dict[str, Callable[..., None]] = {}
 
 
 def lease_fields(lease: Lease) -> dict[str, Any]:
@@ -130,25 +128,7 @@ def _knows_its_run(lease: Lease) -> bool:
 
 
 def send(signal: Any, sender: Any, **named: Any) -> None:
-    """``signal.send(sender=sender, **named)``, unless nothing would come of it.
-
-    A send reaches no one but this module's receiver, which records nothing
-    when the ``celery_leases.transitions`` logger is off at the transition's
-    level and ``sender``'s app sends no task events: then the
-    send is skipped. Two such sends (claimed, completed) were a measurable
-    part of a trivial task's run. Any other receiver connected (metrics, the
-    broker visibility, a user's) and the signal is sent.
-    """
-    receivers = signal.receivers
-    if (
-        len(receivers) == 1
-        and receivers[0][1] is _own.get(signal.name)
-        and not logger.isEnabledFor(_LEVELS[signal.name])
-        and not _events_enabled(sender)
-    ):
-        lease = named.get("lease")
-        if lease is None or _knows_its_run(lease):
-            return
+    """``signal.send(sender=sender, **named)``."""
     signal.send(sender=sender, **named)
 
 
@@ -250,5 +230,4 @@ def connect() -> None:
         signal = getattr(signals, name, None)
         if signal is not None:
             uid = f"celery_leases.observe.{name}"
-            _own[name] = _safe(receiver)
-            signal.connect(_own[name], weak=False, dispatch_uid=uid)
+            signal.connect(_safe(receiver), weak=False, dispatch_uid=uid)

@@ -1,4 +1,4 @@
-"""``observe.send``: a lease signal is skipped only when nothing would come of it."""
+"""The claimed and completed signals of a run: always sent, through Celery's ``Signal.send``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 import celery_leases
-from celery_leases import LeasedTask, observe, signals
+from celery_leases import LeasedTask, signals
 from celery_leases.task import forget_runtime
 
 
@@ -48,23 +48,6 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
-@pytest.fixture(autouse=True)
-def only_own_receivers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each lease signal with this library's log receiver alone on it.
-
-    Other tests of the same process may have installed the metrics or the
-    broker's visibility receivers, which are meant to make every send count.
-    """
-    observe.connect()
-    for name, own in observe._own.items():
-        signal = getattr(signals, name)
-        kept = [entry for entry in signal.receivers if entry[1] is own]
-        assert kept, f"{name} lost this library's receiver"
-        monkeypatch.setattr(signal, "receivers", kept)
-        signal.sender_receivers_cache.clear()
-        monkeypatch.setattr(signal, "sender_receivers_cache", {})
-
-
 @pytest.fixture
 def quiet_log() -> Iterator[None]:
     transitions = logging.getLogger("celery_leases.transitions")
@@ -76,11 +59,11 @@ def quiet_log() -> Iterator[None]:
         transitions.setLevel(level)
 
 
-def test_a_run_nobody_observes_sends_no_claimed_or_completed_signal(
+def test_a_run_nobody_observes_still_sends_both_signals(
     job: LeasedTask, sent: list[str], quiet_log: None
 ) -> None:
     assert job.apply().get() == "done"
-    assert sent == []
+    assert sent == ["lease_claimed", "lease_completed"]
 
 
 def test_the_transition_log_at_info_gets_both_signals_and_their_lines(
@@ -118,17 +101,3 @@ def test_a_receiver_of_the_users_gets_every_signal_though_nothing_is_logged(
         signals.lease_completed.disconnect(receiver)
     assert [name for name, _ in got] == ["lease_claimed", "lease_completed"]
     assert got[0][1] == got[1][1] > 0
-
-
-def test_a_lease_without_its_task_id_is_sent_so_other_threads_can_name_its_run(
-    quiet_log: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(signals.lease_claimed, "send", lambda **named: calls.append(named))
-    lease = type("Bare", (), {"task_id": None, "hostname": None})()
-    sender = type("Sender", (), {"app": Celery("bare", set_as_current=False)})()
-    observe.send(signals.lease_claimed, sender, lease=lease, job_id="j")
-    assert calls == [{"sender": sender, "lease": lease, "job_id": "j"}]
-    named = type("Named", (), {"task_id": "t", "hostname": "h"})()
-    observe.send(signals.lease_claimed, sender, lease=named, job_id="j")
-    assert len(calls) == 1
