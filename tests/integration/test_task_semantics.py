@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from celery import Celery, chain
+from celery.signals import before_task_publish, task_postrun
 
 import celery_leases
 from celery_leases import LeaseConfigurationError, LeasedTask, LeaseState
@@ -28,6 +30,40 @@ from tests.proxy import Proxy
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
+
+
+@contextmanager
+def published_and_finished(
+    app: Celery,
+) -> Iterator[tuple[list[tuple[str, int]], list[str]]]:
+    """The task ids and retry counts of the messages ``app``'s tasks publish,
+    and the task ids of the runs that end (``task_postrun``), in this
+    process, while the block lasts."""
+    published: list[tuple[str, int]] = []
+    finished: list[str] = []
+
+    def on_publish(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender in app.tasks and headers:
+            published.append((headers["id"], headers["retries"]))
+
+    def on_postrun(sender: Any = None, task_id: str = "", **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            finished.append(task_id)
+
+    before_task_publish.connect(on_publish, weak=False)
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        yield published, finished
+    finally:
+        before_task_publish.disconnect(on_publish)
+        task_postrun.disconnect(on_postrun)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {WAIT} s for {what}"
+        time.sleep(0.02)
 
 
 # --- replace ------------------------------------------------------------------------
@@ -184,11 +220,15 @@ def test_a_stale_run_calling_retry_writes_nothing_and_sends_no_retry(
         )
         raise self.retry(countdown=0)
 
-    with worker(app):
+    with worker(app), published_and_finished(app) as (published, finished):
         result = stale.delay()
         [fenced] = recorder.wait("lease_fenced_out")
-        time.sleep(1.5)  # a retry, had one been sent, would have run by now
+        # a retry is published by retry() itself, inside the run: once the run
+        # has ended, every message it sent has been seen
+        wait_until(lambda: result.id in finished, what="the stale run's end")
         meta = app.backend.get_task_meta(result.id, cache=False)
+    # the send itself, then at most the library's deferred copy, never a retry
+    assert [retries for _, retries in published] in ([0], [0, 0])
     assert fenced["reason"] == "superseded"
     assert meta["status"] == "PENDING"  # no RETRY over the holder's run
     assert recorder.of("attempt") == [0]
@@ -359,10 +399,12 @@ def test_a_stale_run_whose_task_id_was_completed_meanwhile_publishes_no_copy(
         time.sleep(self.lease.remaining() + 0.1)  # ... and completes it before this one wakes
         return "stale result"
 
-    with worker(app):
+    with worker(app), published_and_finished(app) as (published, finished):
         result = paused.delay()
         [fenced] = recorder.wait("lease_fenced_out")
-        time.sleep(1.0)
+        # a copy would be published inside the run: once it has ended, none can come
+        wait_until(lambda: result.id in finished, what="the stale run's end")
+    assert published == [(result.id, 0)]  # the send itself, and no copy
     # lost by its deadline, or told by a refused renewal that the job is completed
     assert fenced["reason"] in ("deadline", "completed")
     assert recorder.of("duplicate_deferred") == []  # the task id has its answer already
