@@ -50,6 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("bench") is not None:
             item.add_marker(opt_in)
 
+
 STORE_KINDS = ["memory", "redis", "postgres", "sqlite", "mysql"]
 
 

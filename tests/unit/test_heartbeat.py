@@ -1,6 +1,10 @@
 """Heartbeat: batched renewals on a daemon thread, losses, outages, failures.
 
-These run on real time with short leases; every wait is bounded and generous.
+Most run on a local clock moved by hand (:class:`LocalClock`) and drive the
+deadline thread's work with ``tick()``; a renewal still runs on a real
+renewal thread, and the tests wait for its effect (``lease.renewals``, the
+store's recorded batches, the thread's end). The tests of the deadline
+itself run on real time with short leases; every wait is bounded and generous.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -30,6 +35,7 @@ class RecordingStore(MemoryStore):
         super().__init__(clock)
         self.batches: list[int] = []
         self.down = False
+        self.failures = 0
         self.explode_once = False
 
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
@@ -37,15 +43,69 @@ class RecordingStore(MemoryStore):
             self.explode_once = False
             raise RuntimeError("bug in a store (test)")
         if self.down:
+            self.failures += 1
             raise StoreUnavailable("store is down (test)")
         self.batches.append(len(requests))
         return super()._renew_many(requests)
 
 
 def claim(
-    store: MemoryStore, job_id: str, lost: list[Lease], timing: LeaseTiming = TIMING
+    store: MemoryStore,
+    job_id: str,
+    lost: list[Lease],
+    timing: LeaseTiming = TIMING,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Lease:
-    return claimed_lease(store, job_id, timing, on_lost=lost.append)
+    return claimed_lease(store, job_id, timing, on_lost=lost.append, clock=clock)
+
+
+class LocalClock:
+    """The local monotonic clock of the heartbeat and its leases, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> LocalClock:
+    return LocalClock()
+
+
+@pytest.fixture
+def manual_heartbeat(clock: LocalClock) -> Iterator[Heartbeat]:
+    """A heartbeat on the hand-moved clock, without jitter: a lease is due
+    exactly when the clock reaches its renewal time."""
+    beat = Heartbeat(clock=clock, jitter=0.0)
+    yield beat
+    beat.stop()
+    assert not beat.running
+
+
+def hold(heartbeat: Heartbeat, *leases: Lease) -> None:
+    """Add ``leases``, then stop the deadline thread: the test does its work
+    by calling ``tick()``, and no tick of the thread's races with the test's."""
+    for lease in leases:
+        heartbeat.add(lease)
+    heartbeat.stop()
+    assert not heartbeat.running
+
+
+def renew_once_more(heartbeat: Heartbeat, clock: LocalClock, lease: Lease) -> None:
+    """Move the clock to the lease's next renewal, tick, and wait for the renewal."""
+    renewals = lease.renewals
+    clock.now = max(clock.now, lease.next_renew_at)
+    heartbeat.tick()
+    assert wait_for(lambda: lease.renewals > renewals), f"{lease!r} was not renewed"
+
+
+def renewal_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "celery-leases-renew"}
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -65,13 +125,18 @@ def heartbeat() -> Iterator[Heartbeat]:
     assert not beat.running
 
 
-def test_keeps_a_lease_alive_for_several_ttls(heartbeat: Heartbeat) -> None:
+def test_keeps_a_lease_alive_for_several_ttls(
+    manual_heartbeat: Heartbeat, clock: LocalClock
+) -> None:
     store = RecordingStore()
     lost: list[Lease] = []
-    lease = claim(store, "job", lost)
-    heartbeat.add(lease)
-    assert heartbeat.running
-    time.sleep(TIMING.ttl * 4)
+    lease = claim(store, "job", lost, clock=clock)
+    manual_heartbeat.add(lease)
+    assert manual_heartbeat.running
+    hold(manual_heartbeat)
+    started = clock.now
+    while clock.now < started + TIMING.ttl * 4:
+        renew_once_more(manual_heartbeat, clock, lease)
     lease.check()
     record = store.get("job")
     assert record is not None
@@ -124,19 +189,22 @@ def test_a_wake_up_brought_forward_by_the_jitter_renews_what_is_due() -> None:
     assert store.batches[0] == 1
 
 
-def test_without_jitter_a_lease_is_renewed_only_once_due() -> None:
+def test_without_jitter_a_lease_is_renewed_only_once_due(
+    manual_heartbeat: Heartbeat, clock: LocalClock
+) -> None:
     store = RecordingStore()
-    lease = claim(store, "job", [])
-    frozen = time.monotonic()
-    lease.next_renew_at = frozen + 0.05 * TIMING.renew_interval
-    heartbeat = Heartbeat(clock=lambda: frozen, jitter=0.0)
-    try:
-        heartbeat.add(lease)
-        assert heartbeat.tick() > 0
-        time.sleep(0.2)
-    finally:
-        heartbeat.stop()
-    assert store.batches == []
+    lease = claim(store, "job", [], clock=clock)
+    lease.next_renew_at = clock.now + 0.05 * TIMING.renew_interval
+    due = lease.next_renew_at
+    hold(manual_heartbeat, lease)
+    assert manual_heartbeat.tick() > 0
+    # a renewal, once started, moves the lease's next renewal time at once
+    assert lease.next_renew_at == due
+    clock.now = due
+    manual_heartbeat.tick()
+    assert lease.next_renew_at > due
+    assert wait_for(lambda: store.batches == [1])
+    assert lease.renewals == 1
 
 
 def test_a_renewal_in_flight_is_not_sent_again_within_the_jitter() -> None:
@@ -155,52 +223,54 @@ def test_a_renewal_in_flight_is_not_sent_again_within_the_jitter() -> None:
     lease = claim(store, "job", [], timing)
     frozen = time.monotonic()
     lease.next_renew_at = frozen
-    heartbeat = Heartbeat(clock=lambda: frozen, jitter=0.1)
+    started: list[int] = []
+
+    class CountingHeartbeat(Heartbeat):
+        def _start_renewal(self, store: Any, leases: list[Lease]) -> None:
+            started.append(len(leases))
+            super()._start_renewal(store, leases)
+
+    heartbeat = CountingHeartbeat(clock=lambda: frozen, jitter=0.1)
     try:
         heartbeat.add(lease)
         assert wait_for(lambda: store.batches == [1], timeout=5)
         for _ in range(3):  # wake-ups while the call hangs
             heartbeat.tick()
-        time.sleep(0.1)
-        assert store.batches == [1]
+        # a renewal call is started by tick() itself: none was, after the first
+        assert started == [1]
     finally:
         release.set()
         heartbeat.stop()
+    assert store.batches == [1]
 
 
-def test_short_runs_one_after_another_do_not_wake_the_idle_thread() -> None:
+def test_short_runs_one_after_another_do_not_wake_the_idle_thread(heartbeat: Heartbeat) -> None:
     store = RecordingStore()
-    ticks: list[float] = []
-
-    class CountingHeartbeat(Heartbeat):
-        def tick(self) -> float:
-            ticks.append(time.monotonic())
-            return super().tick()
-
-    heartbeat = CountingHeartbeat()
     timing = LeaseTiming(ttl=30, renew_interval=10, drift_margin=1)
-    try:
-        first = claim(store, "first", [], timing)
-        heartbeat.add(first)
-        assert wait_for(lambda: len(ticks) >= 1)
-        heartbeat.remove(first)
-        heartbeat._wake.set()  # a wake-up that finds no lease: the thread goes idle
-        assert wait_for(lambda: len(ticks) >= 2)
-        time.sleep(0.1)
-        # the first add's own wake-up may land after the one above: idle now
-        idle = len(ticks)
-        for n in range(10):  # each lease is gone before the next one comes
-            lease = claim(store, f"job-{n}", [], timing)
-            heartbeat.add(lease)
-            time.sleep(0.01)
-            heartbeat.remove(lease)
-        time.sleep(0.1)
-    finally:
-        heartbeat.stop()
+    wakes: list[float] = []
+    wake = heartbeat._wake
+    real_set = wake.set
+
+    def counted_set() -> None:
+        wakes.append(time.monotonic())
+        real_set()
+
+    wake.set = counted_set  # type: ignore[method-assign]
+    first = claim(store, "first", [], timing)
+    heartbeat.add(first)
+    heartbeat.remove(first)
+    wake.set()  # a wake-up that finds no lease: the thread goes idle
+    # asleep, with no wake-up pending
+    assert wait_for(lambda: heartbeat._sleeping_until != float("inf") and not wake.is_set())
     # idle, the thread sleeps one renew interval, not an hour: a lease added
     # meanwhile is due after it wakes anyway, so adding one does not wake it
-    assert len(ticks) == idle, (idle, len(ticks))
-    assert idle <= 3
+    assert heartbeat._sleeping_until <= time.monotonic() + timing.renew_interval
+    before = len(wakes)
+    for n in range(10):  # each lease is gone before the next one comes
+        lease = claim(store, f"job-{n}", [], timing)
+        heartbeat.add(lease)
+        heartbeat.remove(lease)
+    assert len(wakes) == before
     assert store.batches == []
 
 
@@ -247,16 +317,23 @@ def test_store_outage_past_the_deadline_loses_the_lease_on_time(heartbeat: Heart
     assert deadline <= time.monotonic() < deadline + TIMING.renew_interval + 1.0
 
 
-def test_a_short_outage_does_not_lose_the_lease(heartbeat: Heartbeat) -> None:
+def test_a_short_outage_does_not_lose_the_lease(
+    manual_heartbeat: Heartbeat, clock: LocalClock
+) -> None:
     store = RecordingStore()
     lost: list[Lease] = []
-    lease = claim(store, "job", lost)
-    heartbeat.add(lease)
-    assert wait_for(lambda: len(store.batches) >= 1)
+    lease = claim(store, "job", lost, clock=clock)
+    hold(manual_heartbeat, lease)
+    renew_once_more(manual_heartbeat, clock, lease)
     store.down = True
-    time.sleep(TIMING.renew_interval * 1.5)
+    clock.now = lease.next_renew_at
+    manual_heartbeat.tick()  # this renewal fails: the store is down
+    assert wait_for(lambda: store.failures == 1)
+    assert lease.renewals == 1
     store.down = False
-    time.sleep(TIMING.ttl * 2)
+    started = clock.now
+    while clock.now < started + TIMING.ttl * 2:
+        renew_once_more(manual_heartbeat, clock, lease)
     lease.check()
     assert lost == []
 
@@ -277,8 +354,9 @@ def test_an_unexpected_error_loses_the_leases_of_its_batch_and_the_thread_surviv
     assert heartbeat.running
     second = claim(store, "second", lost)
     heartbeat.add(second)
-    time.sleep(TIMING.ttl * 2)
-    second.check()  # the same thread renews the next lease
+    # the same thread renews the next lease, for two lease times
+    assert wait_for(lambda: second.renewals >= round(TIMING.ttl * 2 / TIMING.renew_interval))
+    second.check()
     assert lost == [first]
 
 
@@ -385,39 +463,47 @@ def test_a_reply_that_comes_after_the_deadline_does_not_revive_the_lease(
     hanging_store.hang.set()
     heartbeat.add(lease)
     assert wait_for(lambda: lost != [])
+    hanging = renewal_threads()
     hanging_store.release.set()  # the store answers "renewed", too late
-    time.sleep(TIMING.renew_interval * 2)
+    for thread in hanging:  # each renewal thread applies its reply, then ends
+        thread.join(10)
+        assert not thread.is_alive()
+    assert lease.renewals == 0
     assert lease.lost
     with pytest.raises(LeaseLost):
         lease.check()
 
 
 def test_hanging_renewals_of_one_store_do_not_pile_up_threads(
-    heartbeat: Heartbeat, hanging_store: HangingStore
+    manual_heartbeat: Heartbeat, clock: LocalClock, hanging_store: HangingStore
 ) -> None:
     # a renewal thread of an earlier test may still be ending: count only this test's
-    earlier = set(threading.enumerate())
-    leases = [claim(hanging_store, f"job-{n}", []) for n in range(3)]
+    earlier = renewal_threads()
+    leases = [claim(hanging_store, f"job-{n}", [], clock=clock) for n in range(3)]
     hanging_store.hang.set()
-    for lease in leases:
-        heartbeat.add(lease)
-    time.sleep(TIMING.ttl * 2)
-    renewers = [
-        t for t in threading.enumerate() if t.name == "celery-leases-renew" and t not in earlier
-    ]
-    assert 1 <= len(renewers) <= MAX_IN_FLIGHT
+    hold(manual_heartbeat, *leases)
+    started = clock.now
+    most = 0
+    # a tick every tenth of a renew interval, up to past every deadline
+    while clock.now < started + TIMING.ttl * 2:
+        clock.advance(TIMING.renew_interval / 10)
+        manual_heartbeat.tick()
+        most = max(most, len(renewal_threads() - earlier))
+    assert 1 <= most <= MAX_IN_FLIGHT
     assert hanging_store.calls <= MAX_IN_FLIGHT
+    assert all(lease.lost for lease in leases)
 
 
 def test_leases_of_another_store_renew_while_one_store_hangs(
-    heartbeat: Heartbeat, hanging_store: HangingStore
+    manual_heartbeat: Heartbeat, clock: LocalClock, hanging_store: HangingStore
 ) -> None:
     healthy = RecordingStore()
-    stuck = claim(hanging_store, "stuck", [])
-    fine = claim(healthy, "fine", [])
+    stuck = claim(hanging_store, "stuck", [], clock=clock)
+    fine = claim(healthy, "fine", [], clock=clock)
     hanging_store.hang.set()
-    heartbeat.add(stuck)
-    heartbeat.add(fine)
-    time.sleep(TIMING.ttl * 3)
+    hold(manual_heartbeat, stuck, fine)
+    started = clock.now
+    while clock.now < started + TIMING.ttl * 3:
+        renew_once_more(manual_heartbeat, clock, fine)
     assert stuck.lost
     fine.check()
