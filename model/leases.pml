@@ -1,6 +1,6 @@
 /*
- * The celery-leases protocol (docs: /work/shared/PROTOCOL.md in the repo's
- * docs/guarantees.md) as a Promela model, checked with spin.
+ * The celery-leases protocol (docs/explanation/protocol.md, with its
+ * invariants in docs/guarantees.md) as a Promela model, checked with spin.
  *
  * One job, one message, NW workers. Every store operation is one atomic
  * step on the store's clock; a worker's steps interleave freely with the
