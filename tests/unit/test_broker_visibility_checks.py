@@ -20,6 +20,7 @@ from celery_leases.broker_visibility import Delivery, delivery_of
 from celery_leases.spelling import misspelled_settings
 from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app
+from tests.servers import free_port
 
 
 @pytest.fixture
@@ -106,6 +107,24 @@ def test_an_sqs_queue_below_the_option_gives_the_visibility_timeout(app: Celery)
     note_queue_visibility(app, {})
     assert visibility_timeout(app) == 30.0
     assert visibility_source(app) == "broker_transport_options['visibility_timeout']"
+
+
+def test_an_sqs_broker_that_cannot_be_read_at_start_gives_a_warning(app: Celery) -> None:
+    pytest.importorskip("boto3")
+    app.conf.broker_url = f"sqs://key:secret@127.0.0.1:{free_port()}"  # nothing listens
+    app.conf.broker_transport_options = {
+        "region": "us-east-1",
+        "is_secure": False,
+        "visibility_timeout": 30,
+    }
+    _leased(app, lease_ttl=3)
+    warnings = check_app(app, pool="prefork")
+    assert any(
+        w.startswith("could not read the VisibilityTimeout of the SQS queues")
+        and "assume broker_transport_options['visibility_timeout'] (30 s)" in w
+        for w in warnings
+    )
+    assert visibility_timeout(app) == 30.0
 
 
 def test_a_delivery_is_read_from_the_message_properties() -> None:
