@@ -20,16 +20,21 @@ still held and is deferred again, and no healthy worker loses its channel.
 :func:`broker_warnings` is part of the worker's start checks.
 
 Redis and SQS hand an unacknowledged message out again after their
-``visibility_timeout`` (:func:`visibility_timeout`, kombu's default when
-unset). With ``leases_broker_keep_invisible`` (:func:`keep_invisible`)
-renewals push it forward (:mod:`celery_leases.broker_visibility`), and
+``visibility_timeout`` (:func:`visibility_timeout`: the transport option,
+kombu's default when unset, or an existing SQS queue's own shorter
+attribute, which the start check reads). Deferral countdowns are capped at
+half of it too: a deferred copy held longer would be handed out again, and
+each of those deliveries would defer a copy of its own. With
+``leases_broker_keep_invisible`` (:func:`keep_invisible`) renewals push it
+forward (:mod:`celery_leases.broker_visibility`), and
 :func:`visibility_warnings` checks at start that they come often enough.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery_leases.errors import LeaseConfigurationError
@@ -40,11 +45,15 @@ __all__ = [
     "AMQP_TRANSPORTS",
     "DEFAULT_CONSUMER_TIMEOUT",
     "KEEP_INVISIBLE",
+    "VISIBILITY_OPTION",
     "broker_warnings",
+    "configured_visibility_timeout",
     "consumer_timeout",
     "countdown_cap",
     "filesystem_warnings",
     "keep_invisible",
+    "note_queue_visibility",
+    "visibility_source",
     "visibility_timeout",
     "visibility_transport",
     "visibility_warnings",
@@ -118,8 +127,17 @@ def _queue_argument_timeouts(app: Any) -> list[float]:
 
 
 def countdown_cap(app: Any) -> float | None:
-    """The longest countdown a deferred copy may get on ``app``'s broker (None: no cap)."""
+    """The longest countdown a deferred copy may get on ``app``'s broker (None: no cap).
+
+    The worker that receives a copy holds it unacknowledged until its
+    countdown ends. Past RabbitMQ's consumer timeout the channel is closed;
+    past the visibility timeout of Redis or SQS the broker hands the copy out
+    again, and each of those deliveries defers a copy of its own. The cap is
+    half of either.
+    """
     timeout = consumer_timeout(app)
+    if timeout is None:
+        timeout = visibility_timeout(app)
     if timeout is None:
         return None
     return max(timeout / 2, _SHORTEST_CAP)
@@ -198,8 +216,16 @@ def keep_invisible(app: Any) -> bool:
     return value
 
 
-def visibility_timeout(app: Any) -> float | None:
-    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker)."""
+#: where a visibility timeout comes from when it is the transport option
+VISIBILITY_OPTION = "broker_transport_options['visibility_timeout']"
+
+#: per app: the shortest ``VisibilityTimeout`` an existing SQS queue has, and
+#: that queue's name, as the start check read it (:func:`note_queue_visibility`)
+_queue_visibility: weakref.WeakKeyDictionary[Any, tuple[float, str]] = weakref.WeakKeyDictionary()
+
+
+def configured_visibility_timeout(app: Any) -> float | None:
+    """``app``'s visibility timeout option, or kombu's default (None: not Redis or SQS)."""
     transport = visibility_transport(app)
     if transport is None:
         return None
@@ -209,6 +235,43 @@ def visibility_timeout(app: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+def note_queue_visibility(app: Any, found: Mapping[str, float]) -> None:
+    """Note the ``VisibilityTimeout`` each of ``app``'s SQS queues has (queue name: seconds).
+
+    kombu applies the transport's ``visibility_timeout`` only to a queue it
+    creates; SQS uses the attribute the queue has. From then on
+    :func:`visibility_timeout` is the shortest of them, when below the option.
+    Replaces what was noted before.
+    """
+    if found:
+        queue = min(found, key=lambda name: found[name])
+        _queue_visibility[app] = (found[queue], queue)
+    else:
+        _queue_visibility.pop(app, None)
+
+
+def visibility_timeout(app: Any) -> float | None:
+    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker).
+
+    The transport option (or kombu's default), or the shortest
+    ``VisibilityTimeout`` of an SQS queue the start check found below it.
+    """
+    configured = configured_visibility_timeout(app)
+    noted = _queue_visibility.get(app)
+    if configured is None or noted is None:
+        return configured
+    return min(configured, noted[0])
+
+
+def visibility_source(app: Any) -> str:
+    """Where :func:`visibility_timeout` comes from, for messages."""
+    configured = configured_visibility_timeout(app)
+    noted = _queue_visibility.get(app)
+    if configured is not None and noted is not None and noted[0] < configured:
+        return f"the VisibilityTimeout attribute of SQS queue {noted[1]!r}"
+    return VISIBILITY_OPTION
 
 
 def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
@@ -235,9 +298,9 @@ def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
             raise LeaseConfigurationError(
                 f"task {task.name!r} renews its lease every {interval:g} s, but with "
                 f"{KEEP_INVISIBLE} a renewal must come at least twice per visibility timeout "
-                f"({timeout:g} s), or the broker hands its message out between two: lower "
-                "the task's lease ttl or renew interval, or raise "
-                "broker_transport_options['visibility_timeout']"
+                f"({timeout:g} s, {visibility_source(app)}), or the broker hands its message "
+                f"out between two: lower the task's lease ttl or renew interval, or raise "
+                f"{visibility_source(app)}"
             )
     return []
 

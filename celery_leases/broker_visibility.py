@@ -35,6 +35,10 @@ lease (prefetched, or waiting for a countdown) are not extended.
 The renewal happens in the process that runs the task (a prefork child),
 which has no consumer connection of its own, so each process opens one
 broker connection for extensions, lazily, anew after a fork.
+
+:func:`read_queue_visibility` reads, at worker start, the
+``VisibilityTimeout`` an existing SQS queue really has: kombu applies the
+transport's option only to a queue it creates.
 """
 
 from __future__ import annotations
@@ -49,7 +53,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_leases import signals
-from celery_leases.broker_checks import visibility_transport
+from celery_leases.broker_checks import (
+    VISIBILITY_OPTION,
+    configured_visibility_timeout,
+    note_queue_visibility,
+    visibility_transport,
+)
 from celery_leases.lease import Lease
 
 __all__ = [
@@ -59,6 +68,7 @@ __all__ = [
     "delivery_of",
     "enable",
     "process_extender",
+    "read_queue_visibility",
     "stop",
 ]
 
@@ -66,6 +76,9 @@ logger = logging.getLogger("celery_leases")
 
 #: seconds one extension may wait on the broker (socket and HTTP timeouts)
 CALL_TIMEOUT = 5.0
+
+#: SQS error codes of a queue that does not exist (the query and JSON protocols)
+_SQS_NO_QUEUE = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})
 
 #: SQS error codes of a receipt handle whose message was deleted (acknowledged)
 #: or handed out again
@@ -114,7 +127,8 @@ class _Broker:
         self._connection: Any = None
         self._channel: Any = None
 
-    def _open(self) -> Any:
+    def open(self) -> Any:
+        """The channel for extensions, opened on first use."""
         if self._channel is None:
             options = dict(self.app.conf.broker_transport_options or {})
             # a broker that is down costs one try, not kombu's endless retries
@@ -135,7 +149,7 @@ class _Broker:
 
     def extend(self, delivery: Delivery) -> bool:
         """Push the message's visibility forward; returns whether it was still there."""
-        channel = self._open()
+        channel = self.open()
         if self.transport == "redis":
             changed = channel.client.zadd(
                 channel.unacked_index_key, {delivery.tag: time.time()}, xx=True, ch=True
@@ -149,11 +163,10 @@ class _Broker:
                 VisibilityTimeout=math.ceil(channel.visibility_timeout),
             )
         except Exception as exc:
-            error = (getattr(exc, "response", None) or {}).get("Error", {})
-            if error.get("Code") in _SQS_GONE or (
+            code = _sqs_error_code(exc)
+            if code in _SQS_GONE or (
                 # an expired handle, said with the code of any bad parameter
-                error.get("Code") == "InvalidParameterValue"
-                and "ReceiptHandle" in str(error.get("Message"))
+                code == "InvalidParameterValue" and "ReceiptHandle" in str(exc)
             ):
                 return False
             raise
@@ -166,6 +179,78 @@ class _Broker:
                 connection.release()
             except Exception:  # a broken connection is dropped either way
                 logger.debug("closing the broker connection for extensions failed", exc_info=True)
+
+
+def read_queue_visibility(app: Any) -> list[str]:
+    """Read the ``VisibilityTimeout`` of each existing SQS queue ``app`` consumes.
+
+    kombu sets ``broker_transport_options['visibility_timeout']`` on a queue
+    only when it creates it: a queue that already exists keeps its own
+    attribute, and that is what SQS uses. What is read is noted
+    (:func:`~celery_leases.broker_checks.note_queue_visibility`), so the
+    start checks and the deferral cap use the shortest. A queue that does
+    not exist yet is created by kombu with the option. Nothing is read on
+    other brokers. Each call waits at most :data:`CALL_TIMEOUT` seconds.
+
+    Returns:
+        Warnings: a queue whose attribute is below the option, or queues
+        that could not be read (the checks then use the option).
+    """
+    if visibility_transport(app) != "sqs":
+        return []
+    configured = configured_visibility_timeout(app) or 0.0
+    broker = _Broker(app, "sqs")
+    found: dict[str, float] = {}
+    try:
+        channel = broker.open()
+        for queue in app.amqp.queues.consume_from.values():
+            seconds = _queue_visibility(channel, queue.name)
+            if seconds is not None:
+                found[queue.name] = seconds
+    except Exception as exc:
+        note_queue_visibility(app, {})
+        return [
+            f"could not read the VisibilityTimeout of the SQS queues this worker consumes "
+            f"({type(exc).__name__}: {exc}); the lease checks assume {VISIBILITY_OPTION} "
+            f"({configured:g} s), which SQS uses only for a queue kombu creates"
+        ]
+    finally:
+        broker.close()
+    below = {name: seconds for name, seconds in found.items() if seconds < configured}
+    note_queue_visibility(app, below)
+    return [
+        f"SQS queue {name!r} has a VisibilityTimeout of {seconds:g} s, below {VISIBILITY_OPTION} "
+        f"({configured:g} s): kombu sets the option only on a queue it creates, and SQS "
+        f"uses the queue's own, so the lease checks and deferral countdowns use {seconds:g} s. "
+        f"Set the queue's VisibilityTimeout attribute to {math.ceil(configured)} (aws sqs "
+        "set-queue-attributes), or lower the option"
+        for name, seconds in sorted(below.items())
+    ]
+
+
+def _queue_visibility(channel: Any, name: str) -> float | None:
+    """The ``VisibilityTimeout`` of SQS queue ``name`` (None: it does not exist yet)."""
+    predefined = channel.predefined_queues or {}
+    if predefined:
+        if name not in predefined:
+            return None  # kombu refuses to consume it, with its own message
+        client, url = channel.sqs(queue=name), predefined[name]["url"]
+    else:
+        client = channel.sqs()
+        try:
+            reply = client.get_queue_url(QueueName=channel.canonical_queue_name(name))
+        except Exception as exc:
+            if _sqs_error_code(exc) in _SQS_NO_QUEUE:
+                return None
+            raise
+        url = reply["QueueUrl"]
+    attributes = client.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])
+    return float(attributes["Attributes"]["VisibilityTimeout"])
+
+
+def _sqs_error_code(exc: BaseException) -> object:
+    """The error code of a botocore ``ClientError`` (None for any other error)."""
+    return ((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code")
 
 
 def _predefined_name(channel: Any, queue_url: str | None) -> str | None:

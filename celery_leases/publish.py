@@ -16,7 +16,8 @@ in doubt) goes where ``leases_republish_options`` says (a ``queue``, a
 queue: the job is free, and has waited already. A copy deferred because
 another worker holds the job keeps its route: it only looks again.
 
-On RabbitMQ the countdown is capped below the consumer timeout
+The countdown is capped below RabbitMQ's consumer timeout and below the
+visibility timeout of Redis and SQS
 (:func:`celery_leases.broker_checks.countdown_cap`), since the worker that
 receives the copy holds it unacknowledged until the countdown ends.
 """

@@ -37,10 +37,11 @@ from celery_leases.broker_checks import (
     broker_warnings,
     filesystem_warnings,
     keep_invisible,
+    visibility_source,
     visibility_timeout,
     visibility_warnings,
 )
-from celery_leases.broker_visibility import enable
+from celery_leases.broker_visibility import enable, read_queue_visibility
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
 from celery_leases.metrics import install_metrics, serve_metrics
@@ -255,6 +256,8 @@ def check_app(
         store_warning = None
     if store_warning is not None:
         warnings.append(store_warning)
+    # what an existing SQS queue really has, before anything reads the timeout
+    warnings += read_queue_visibility(app)
     # with leases_broker_keep_invisible, renewals keep a run's message
     # invisible: a run may outlast the visibility timeout
     visibility = None if keep_invisible(app) else visibility_timeout(app)
@@ -316,7 +319,7 @@ def _check_task(
             f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
             f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
             "again and deferred over and over; set leases_broker_keep_invisible = True, or "
-            "raise broker_transport_options['visibility_timeout'] well above your longest run"
+            f"raise {visibility_source(app)} well above your longest run"
         )
     time_limit = task.time_limit or app.conf.task_time_limit
     if visibility is not None and time_limit and time_limit > visibility:
@@ -324,8 +327,8 @@ def _check_task(
             f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
             f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
             "delivered again while it runs; the copy is deferred, not run, but set "
-            "leases_broker_keep_invisible = True, or raise "
-            "broker_transport_options['visibility_timeout'] above the time limit"
+            f"leases_broker_keep_invisible = True, or raise {visibility_source(app)} above "
+            "the time limit"
         )
     if not task.reject_on_worker_lost:
         warnings.append(

@@ -18,6 +18,15 @@ once the lease ran out, one TTL after the last renewal (the body sleeps
 on its first run only, so B's run ends at once). ``pytest -s``
 prints the figures (docs/performance.md).
 
+A store outage: the store is down while a job waits (until it was deferred
+``OUTAGE_DEFERRALS`` times, about 20 s). Each
+delivery finds the store down and defers a copy with a growing countdown,
+and the worker holds that copy unacknowledged until its countdown ends; a
+countdown longer than the visibility timeout would let the broker hand the
+copy out again, and each of those deliveries would defer a copy of its own.
+Countdowns are capped at half the visibility timeout, so every delivery is
+the job's first or the one copy a deferral published.
+
 Deliveries are counted from the workers' logs: every delivery logs
 ``Task <name>[<id>] received``, and every deferral publishes one new copy;
 a delivery beyond the first of each message is the broker's redelivery.
@@ -34,7 +43,8 @@ import pytest
 from celery_leases import LeaseState
 from tests.acceptance.app import SLOW_ONCE, STEPS
 from tests.acceptance.conftest import Cluster
-from tests.acceptance.harness import Worker
+from tests.acceptance.harness import Worker, wait_until
+from tests.servers import RedisServer
 
 VISIBILITY = 2.0
 TTL = 1.5
@@ -55,6 +65,15 @@ def count_deliveries(cluster: Cluster, job_id: str, task: str = STEPS) -> tuple[
         received += len(re.findall(rf"Task {re.escape(task)}\[{job}\] received", log))
         deferred += len(re.findall(rf"lease deferred: job={job} ", log))
     return received, deferred
+
+
+def outage_deferrals(cluster: Cluster, job_id: str) -> list[int]:
+    """The deferral number each delivery of ``job_id`` logged on finding the store down.
+
+    A copy handed out twice is deferred twice with the same number.
+    """
+    pattern = rf"\[{re.escape(job_id)}\]: lease store unavailable at claim .*\(deferral (\d+)\)"
+    return [int(n) for w in cluster.workers for n in re.findall(pattern, w.log())]
 
 
 def start_two_workers(cluster: Cluster) -> list[Worker]:
@@ -135,3 +154,47 @@ def test_a_killed_workers_job_runs_again_within_a_visibility_timeout_and_a_ttl(
     )
     assert record.takeovers == 1
     assert started_b["run"] == 2
+
+
+#: the visibility timeout during the store outage, and the deferrals it lasts
+OUTAGE_VISIBILITY = 6.0
+OUTAGE_DEFERRALS = 8
+
+
+def test_a_store_outage_gives_one_delivery_per_deferral(
+    store_server: RedisServer, cluster: Cluster, unique: str
+) -> None:
+    cluster.configure(
+        ttl=1.2,
+        visibility_timeout=OUTAGE_VISIBILITY,
+        keep_invisible=True,
+        store=store_server.url,
+        store_options={"prefix": f"acc{unique}:"},
+    )
+    cluster.worker("a")
+    store_server.stop()
+    down_at = time.monotonic()
+    result = cluster.send(STEPS, 0.1)
+    wait_until(
+        lambda: len(outage_deferrals(cluster, result.id)) >= OUTAGE_DEFERRALS,
+        timeout=120,
+        message=f"{OUTAGE_DEFERRALS} deferrals while the store is down",
+    )
+    received, deferred = count_deliveries(cluster, result.id)
+    numbers = outage_deferrals(cluster, result.id)
+    outage = time.monotonic() - down_at
+    store_server.start()
+    print(
+        f"\nstore down {outage:.1f} s, visibility {OUTAGE_VISIBILITY:g} s: {received} "
+        f"deliveries, {deferred} deferrals, deferral numbers {numbers}"
+    )
+    # every copy was delivered once: each deferral number comes once
+    assert sorted(numbers) == list(range(1, len(numbers) + 1))
+    # and each waited at least leases_defer_backoff (1 s)
+    assert received <= outage / 1.0 + 2
+    value = result.get(timeout=60)
+    assert cluster.side.done_count(result.id) == 1
+    record = cluster.wait_record(
+        result.id, state=LeaseState.COMPLETED, timeout=10, message="the job to complete"
+    )
+    assert value["generation"] == record.generation

@@ -31,6 +31,9 @@ def test_visibility_duplicates_are_deferred_and_a_killed_holders_job_runs_once(
 ) -> None:
     cluster.configure(ttl=2.0, visibility_timeout=3.0)
     workers = [cluster.worker("a"), cluster.worker("b")]
+    # the queue is new: kombu creates it with the option, and the start check
+    # finds nothing to warn about (nor fails to read it)
+    assert not any("VisibilityTimeout" in worker.log() for worker in workers)
     result = cluster.send(STEPS, 8.0)
     (started_a,) = cluster.side.wait_event(result.id, "start", timeout=30)
     worker_a, worker_b = sorted(
@@ -58,3 +61,49 @@ def test_visibility_duplicates_are_deferred_and_a_killed_holders_job_runs_once(
     time.sleep(3.0 + 2.0 + 2.0)
     assert cluster.side.done_count(result.id) == 1
     assert len(cluster.side.events(result.id, "start")) == 2
+
+
+def _make_queue(cluster: Cluster, visibility_timeout: int) -> None:
+    """Create the test's queue on SQS with ``visibility_timeout``, as an older setup did."""
+    with cluster.client.connection_for_write() as connection:
+        channel = connection.default_channel
+        channel.sqs().create_queue(
+            QueueName=channel.canonical_queue_name(cluster.config.queue),
+            Attributes={"VisibilityTimeout": str(visibility_timeout)},
+        )
+
+
+@pytest.mark.parametrize("broker_kind", ["sqs"], indirect=True)
+def test_the_start_check_reads_the_visibility_timeout_an_existing_queue_has(
+    cluster: Cluster,
+) -> None:
+    # the option was raised after kombu had created the queue with 2 s
+    _make_queue(cluster, 2)
+    cluster.configure(ttl=3.0, visibility_timeout=30.0)
+    worker = cluster.worker("a")
+    queue = re.escape(repr(cluster.config.queue))
+    worker.wait_for_log(
+        rf"SQS queue {queue} has a VisibilityTimeout of 2 s, below "
+        r"broker_transport_options\['visibility_timeout'\] \(30 s\)",
+        timeout=10,
+    )
+    # the task checks judge the 2 s the queue has, not the option's 30 s
+    assert re.search(r"visibility_timeout \(2 s\) is shorter than the lease ttl", worker.log())
+
+
+@pytest.mark.parametrize("broker_kind", ["sqs"], indirect=True)
+def test_keep_invisible_refuses_renewals_too_rare_for_the_queues_own_timeout(
+    cluster: Cluster,
+) -> None:
+    _make_queue(cluster, 2)
+    # renewed every 1 s: enough for the option's 30 s, not for the queue's 2 s
+    cluster.configure(ttl=3.0, visibility_timeout=30.0, keep_invisible=True)
+    worker = cluster.worker("a", start=False)
+    with pytest.raises(AssertionError, match="exited before logging"):
+        worker.start(ready_timeout=60)
+    assert worker.wait_exit(timeout=30) == 1
+    assert re.search(
+        rf"renews its lease every 1 s.*visibility timeout \(2 s, the VisibilityTimeout "
+        rf"attribute of SQS queue {re.escape(repr(cluster.config.queue))}\)",
+        worker.log(),
+    )

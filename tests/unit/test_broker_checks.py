@@ -1,4 +1,5 @@
-"""The start check and the deferral cap for RabbitMQ's consumer timeout."""
+"""The start check and the deferral cap for RabbitMQ's consumer timeout and the
+visibility timeout of Redis and SQS."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ def test_other_brokers_have_no_consumer_timeout(app: Celery, url: str) -> None:
     app.conf.broker_url = url
     app.conf.leases_broker_consumer_timeout = 5
     assert consumer_timeout(app) is None
+
+
+def test_redis_and_sqs_cap_countdowns_at_half_the_visibility_timeout(app: Celery) -> None:
+    # a copy held past it would be handed out again, and each delivery defers one
+    app.conf.broker_url = "redis://127.0.0.1:1/0"
+    assert countdown_cap(app) == 1800.0  # kombu's default one hour
+    app.conf.broker_transport_options = {"visibility_timeout": 6}
+    assert countdown_cap(app) == 3.0
+    app.conf.broker_url = "sqs://"
+    assert countdown_cap(app) == 3.0
+    app.conf.broker_url = "memory://"
     assert countdown_cap(app) is None
 
 

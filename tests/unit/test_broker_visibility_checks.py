@@ -10,11 +10,17 @@ import pytest
 from celery import Celery
 
 from celery_leases import LeaseConfigurationError, LeasedTask
-from celery_leases.broker_checks import visibility_timeout
+from celery_leases.broker_checks import (
+    countdown_cap,
+    note_queue_visibility,
+    visibility_source,
+    visibility_timeout,
+)
 from celery_leases.broker_visibility import Delivery, delivery_of
 from celery_leases.spelling import misspelled_settings
 from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app
+from tests.servers import free_port
 
 
 @pytest.fixture
@@ -88,6 +94,37 @@ def test_visibility_timeouts_default_to_kombus_own(app: Celery) -> None:
     assert visibility_timeout(app) == 7
     app.conf.broker_url = "amqp://"
     assert visibility_timeout(app) is None
+
+
+def test_an_sqs_queue_below_the_option_gives_the_visibility_timeout(app: Celery) -> None:
+    app.conf.broker_url = "sqs://"
+    app.conf.broker_transport_options = {"visibility_timeout": 30}
+    note_queue_visibility(app, {"slow": 20.0, "fast": 2.0})
+    assert visibility_timeout(app) == 2.0
+    assert countdown_cap(app) == 1.0
+    assert visibility_source(app) == "the VisibilityTimeout attribute of SQS queue 'fast'"
+    # what is noted replaces what was noted before
+    note_queue_visibility(app, {})
+    assert visibility_timeout(app) == 30.0
+    assert visibility_source(app) == "broker_transport_options['visibility_timeout']"
+
+
+def test_an_sqs_broker_that_cannot_be_read_at_start_gives_a_warning(app: Celery) -> None:
+    pytest.importorskip("boto3")
+    app.conf.broker_url = f"sqs://key:secret@127.0.0.1:{free_port()}"  # nothing listens
+    app.conf.broker_transport_options = {
+        "region": "us-east-1",
+        "is_secure": False,
+        "visibility_timeout": 30,
+    }
+    _leased(app, lease_ttl=3)
+    warnings = check_app(app, pool="prefork")
+    assert any(
+        w.startswith("could not read the VisibilityTimeout of the SQS queues")
+        and "assume broker_transport_options['visibility_timeout'] (30 s)" in w
+        for w in warnings
+    )
+    assert visibility_timeout(app) == 30.0
 
 
 def test_a_delivery_is_read_from_the_message_properties() -> None:
