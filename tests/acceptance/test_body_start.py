@@ -40,7 +40,9 @@ def store_proxy(redis_server: RedisServer) -> Iterator[Proxy]:
         yield proxy
 
 
-@pytest.mark.parametrize(("pool", "on_lost"), [("prefork", "stop"), ("threads", "flag")])
+@pytest.mark.parametrize(
+    ("pool", "on_lost"), [("prefork", "stop"), ("threads", "raise"), ("gevent", "flag")]
+)
 def test_a_lease_lost_before_its_body_starts_never_runs_the_body(
     cluster: Cluster, store_proxy: Proxy, pool: str, on_lost: str
 ) -> None:
