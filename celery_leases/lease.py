@@ -313,10 +313,28 @@ class Lease:
         return self._in_body
 
     def enter_body(self) -> None:
-        """Note that the task body starts running in this thread."""
+        """Note that the task body starts running in this thread.
+
+        The lease is looked at again first, under the lock a loss is noted
+        under, so a loss noticed between the claim and the body (a claim
+        reply that came back late, a slow ``lease_claimed`` receiver) is
+        never missed: either it is seen here and the body does not start, or
+        it comes later and finds the body running (and interrupts or stops
+        it, as configured)::
+
+            claim ... reply late ... lease_claimed ... enter_body: lost -> no body
+
+        Raises:
+            LeaseLost: the lease is lost or past its deadline; the body must
+                not start (protocol duty 1).
+        """
         with self._lock:
-            self._thread_id = threading.get_ident()
-            self._in_body = True
+            if self._lost is None and self._clock() < self._deadline:
+                self._thread_id = threading.get_ident()
+                self._in_body = True
+                return
+        self.check()
+        raise self._deadline_error()  # finished before its body: never a body either
 
     def leave_body(self) -> None:
         """Note that the body ended; cancels an interrupt not yet delivered.

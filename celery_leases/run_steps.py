@@ -37,6 +37,7 @@ from celery_leases.stores.base import (
     Released,
     ReleaseResult,
 )
+from celery_leases.stores.deadline import bounded
 from celery_leases.waiting import held_countdown
 
 __all__ = [
@@ -82,6 +83,15 @@ def complete_run(
 def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult | None:
     """Complete, retrying an unavailable store until the local deadline.
 
+    No try waits for the store past that deadline (a store that bounds its
+    waits, as the SQL store and the Redis store's own connections do, gives
+    up then, and tries nothing more); the outcome is then settled by
+    asking the store once more (:func:`_settle_completion`)::
+
+        complete(g) ---> (no reply) ... deadline: give up -> release(g)?
+            refused, completed by (owner, g): Completed
+            released / refused otherwise / no answer: not a success
+
     Returns:
         The store's answer (a refusal that names this run as the job's
         completer is :class:`Completed`), or None when the outcome is unknown.
@@ -89,9 +99,10 @@ def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult |
     delay = 0.05
     while True:
         try:
-            result = lease.store.complete(
-                lease.job_id, lease.owner, lease.generation, outcome=outcome
-            )
+            with bounded(lease.remaining()):
+                result = lease.store.complete(
+                    lease.job_id, lease.owner, lease.generation, outcome=outcome
+                )
         except StoreUnavailable as exc:
             if lease.remaining() <= delay:
                 return _settle_completion(task, lease, exc)
@@ -109,12 +120,14 @@ def _settle_completion(task: Any, lease: Lease, exc: StoreUnavailable) -> Comple
     The completion may have been applied with its reply lost. A release
     finds out (protocol duty 6): refused because this very run (owner and
     generation) completed the job, the run completed; released, it did not.
+    It is asked once, past the deadline, so it waits no longer than the
+    drift margin (:func:`_give_up`).
 
     Returns:
         Completed, the store's refusal (another run has the job), or None
         when the outcome stays unknown (the lease is then released or runs out).
     """
-    result = _give_up(task, lease, UNKNOWN_COMPLETION)
+    result = _give_up(task, lease, UNKNOWN_COMPLETION, after_loss=True)
     if isinstance(result, Refusal) and lease.is_own_completion(result):
         lease.finish()
         logger.warning(
@@ -134,7 +147,11 @@ def _settle_completion(task: Any, lease: Lease, exc: StoreUnavailable) -> Comple
 
 
 def release(task: Any, lease: Lease, reason: str) -> bool:
-    """Give the lease up, fenced; False if the store refused (this run is stale)."""
+    """Give the lease up, fenced; False if the store refused (this run is stale).
+
+    The store is not waited for past the lease's local deadline: a release
+    that has no answer by then leaves the lease to run out.
+    """
     result = _give_up(task, lease, reason)
     if isinstance(result, Refusal):
         lease.mark_lost(result.error("release"))
@@ -148,13 +165,21 @@ def release_after_loss(task: Any, lease: Lease) -> Refusal | None:
     Returns:
         The store's refusal (it says who has the job now), or None.
     """
-    result = _give_up(task, lease, "fenced-out")
+    result = _give_up(task, lease, "fenced-out", after_loss=True)
     return result if isinstance(result, Refusal) else None
 
 
-def _give_up(task: Any, lease: Lease, reason: str) -> ReleaseResult | None:
+def _give_up(
+    task: Any, lease: Lease, reason: str, *, after_loss: bool = False
+) -> ReleaseResult | None:
+    """Release, waiting for the store until the lease's local deadline, or
+    (``after_loss``: the deadline is past or near, and the question is what
+    the store recorded) for at most the drift margin: for that long after
+    the local deadline the store's own lease still names this run."""
+    within = lease.timing.drift_margin if after_loss else lease.remaining()
     try:
-        result = lease.store.release(lease.job_id, lease.owner, lease.generation)
+        with bounded(within):
+            result = lease.store.release(lease.job_id, lease.owner, lease.generation)
     except StoreUnavailable as exc:
         logger.warning(
             "could not release job %r (generation %d) after %s: %s; it runs out in %g s",

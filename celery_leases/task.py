@@ -4,9 +4,10 @@ Everything happens inside ``__call__``, because Celery stores the result
 right after it returns::
 
     claim ──Acquired──▶ body ──returns──▶ complete ──Completed──▶ result stored
-      │                   │                   └─Refusal─▶ fenced out: Ignore
-      │                   ├─raises──▶ release, re-raise (FAILURE / RETRY)
-      │                   └─raises, lease lost──▶ fenced out: Ignore
+      │         │         │                   └─Refusal─▶ fenced out: Ignore
+      │         │         ├─raises──▶ release, re-raise (FAILURE / RETRY)
+      │         │         └─raises, lease lost──▶ fenced out: Ignore
+      │         └─lost before the body starts──▶ fenced out: Ignore (no body)
       ├─HeldElsewhere──▶ publish again with a countdown, Ignore
       ├─AlreadyCompleted (same send)──▶ answer with the stored result
       └─StoreUnavailable──▶ publish again with backoff, Ignore
@@ -356,6 +357,8 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lease, request = run.lease, run.request
         try:
             try:
+                # raises LeaseLost if the lease was lost since the claim: the
+                # body never starts, and the run is fenced out below
                 lease.enter_body()
                 value = self.run(*args, **kwargs)
             finally:

@@ -65,6 +65,7 @@ import redis.utils
 from redis.exceptions import ResponseError
 
 from celery_leases import unpatched
+from celery_leases.stores.deadline import time_left
 
 try:  # redis-py 8 and later can record metrics of its own
     from redis.observability.recorder import is_enabled as _redis_metrics_on
@@ -214,6 +215,10 @@ class DirectCalls:
         """Send one command (``"EVALSHA", sha, 1, key, ...``) and read its
         reply as redis-py reads it, never decoded (``RAW``).
 
+        Inside :func:`~celery_leases.stores.deadline.bounded`, the wait for
+        the reply's first bytes ends at that deadline (``TimeoutError``, and
+        the connection is dropped), not only at the socket timeout.
+
         Raises what ``execute_command`` would: an error reply as its
         ``ResponseError`` (``NoScriptError`` among them), a lost or timed
         out connection as ``ConnectionError`` or ``TimeoutError``, a pool
@@ -222,6 +227,13 @@ class DirectCalls:
         conn = self._checkout()
         try:
             conn.send_packed_command(conn.pack_command(*args))
+            left = time_left()
+            if left is not None and not conn.can_read(timeout=left):
+                # the caller's deadline (a lease's) comes before the reply:
+                # the connection is dropped below, a late reply with it
+                raise redis.TimeoutError(
+                    f"no reply from the store within {left:.3g} s, the time its caller had left"
+                )
             reply = conn.read_response(disable_decoding=True)
         except ResponseError:
             self._free.append(conn)  # the whole reply was read: ready for the next

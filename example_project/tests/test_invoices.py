@@ -78,13 +78,15 @@ def test_a_lost_lease_writes_nothing_and_records_no_result(
     receipts: ReceiptService,
     config: Config,
 ) -> None:
-    """The lease is lost right after the claim; a newer run writes first."""
+    """The lease is taken over right after the claim, before this run hears
+    of it; a newer run writes first."""
     invoice = add_invoice(ledger, "ACME Ltd", 900)
     newer: list[Any] = []
 
     def lose_it(sender: Any, lease: Any, **_: Any) -> None:
         # runs in the worker thread, between the claim and the body
-        stolen = lease_faults.lose(lease)
+        # steal(), not lose(): a lease already seen lost never starts its body
+        stolen = lease_faults.steal(lease)
         post_charge(ledger, stolen, invoice, "newer run")
         lease_store.complete(stolen.job_id, stolen.owner, stolen.generation)
         newer.append((lease.generation, stolen))

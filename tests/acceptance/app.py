@@ -82,6 +82,14 @@ class AcceptanceConfig:
         acks_on_timeout: ``task_acks_on_timeout``, or None for Celery's default.
         keep_invisible: ``leases_broker_keep_invisible`` (renewals keep the
             running message invisible on a Redis or SQS broker).
+        slow_claimed: a ``lease_claimed`` receiver that, given a lease
+            already past its local deadline (a claim reply that came back
+            late), waits until the heartbeat notices the loss, as a slow
+            receiver would, and records a ``claimed-late`` event.
+        timed_endings: a run's accepted completion records a ``completed``
+            event, and a fenced-out run a ``fenced-out`` event, each with
+            ``past_deadline``: how many seconds after the lease's local
+            deadline the run got there (negative: before it).
     """
 
     broker: str
@@ -104,6 +112,8 @@ class AcceptanceConfig:
     consumer_timeout: float | None = None
     acks_on_timeout: bool | None = None
     keep_invisible: bool = False
+    slow_claimed: bool = False
+    timed_endings: bool = False
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -138,6 +148,10 @@ class AcceptanceConfig:
             env["LEASES_TEST_ACKS_ON_TIMEOUT"] = "1" if self.acks_on_timeout else "0"
         if self.keep_invisible:
             env["LEASES_TEST_KEEP_INVISIBLE"] = "1"
+        if self.slow_claimed:
+            env["LEASES_TEST_SLOW_CLAIMED"] = "1"
+        if self.timed_endings:
+            env["LEASES_TEST_TIMED_ENDINGS"] = "1"
         return env
 
 
@@ -175,6 +189,8 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         consumer_timeout=float(consumer_timeout) if consumer_timeout else None,
         acks_on_timeout=None if acks_on_timeout is None else acks_on_timeout == "1",
         keep_invisible=env.get("LEASES_TEST_KEEP_INVISIBLE") == "1",
+        slow_claimed=env.get("LEASES_TEST_SLOW_CLAIMED") == "1",
+        timed_endings=env.get("LEASES_TEST_TIMED_ENDINGS") == "1",
     )
 
 
@@ -278,6 +294,36 @@ def _kill_after_first_completion(config: AcceptanceConfig) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     lease_signals.lease_completed.connect(kill, weak=False)
+
+
+def _wait_for_loss_when_claimed_late(config: AcceptanceConfig) -> None:
+    """A slow ``lease_claimed`` receiver: a lease that came back past its
+    local deadline is held here until the heartbeat has marked it lost."""
+
+    def wait(sender: Any, lease: Any, **_: Any) -> None:
+        if lease.remaining() > 0:
+            return  # claimed in time: nothing to wait for
+        end = time.monotonic() + 30.0
+        while lease.loss is None and time.monotonic() < end:
+            time.sleep(0.01)
+        _event(config, sender, "claimed-late", noticed=lease.loss is not None)
+
+    lease_signals.lease_claimed.connect(wait, weak=False)
+
+
+def _time_endings(config: AcceptanceConfig) -> None:
+    """Record when each run's completion was accepted or the run fenced
+    out, against its lease's local deadline."""
+
+    def ended(kind: str) -> Any:
+        def record(sender: Any, lease: Any, **fields: Any) -> None:
+            past = time.monotonic() - lease.deadline
+            _event(config, sender, kind, past_deadline=past, reason=fields.get("reason"))
+
+        return record
+
+    lease_signals.lease_completed.connect(ended("completed"), weak=False)
+    lease_signals.lease_fenced_out.connect(ended("fenced-out"), weak=False)
 
 
 def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
@@ -451,3 +497,7 @@ if _config.kill_after_complete:
     # only in a worker started with the variable: a receiver connected in the
     # test process would kill the test run at its next completion
     _kill_after_first_completion(_config)
+if _config.slow_claimed:
+    _wait_for_loss_when_claimed_late(_config)
+if _config.timed_endings:
+    _time_endings(_config)

@@ -24,7 +24,9 @@ from celery_leases import (
     Renewed,
     StoreUnavailable,
 )
+from celery_leases.stores.deadline import bounded
 from celery_leases.stores.redis import RedisStore
+from tests.acceptance.test_store_faults import COMPLETE_SHA
 from tests.proxy import Proxy
 from tests.servers import RedisServer
 
@@ -113,6 +115,28 @@ def test_renew_whose_reply_was_lost_leaves_the_lease_renewable(
     with pytest.raises(StoreUnavailable):
         store.renew(JOB, A, held.generation, 30)
     assert isinstance(store.renew(JOB, A, held.generation, 30), Renewed)
+
+
+def test_a_completion_whose_reply_is_held_gives_up_at_the_callers_deadline(
+    proxy: Proxy, unique: str
+) -> None:
+    """Inside ``bounded()`` (a run completes within its lease's time left),
+    the wait for a reply ends at that deadline, not at the socket timeout."""
+    left = 0.5
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    with RedisStore.from_url(url, prefix=f"b{unique}:") as store:  # a 5 s socket timeout
+        warm_up(store)
+        held = store.claim(JOB, A, 30)
+        assert isinstance(held, Acquired)
+        proxy.silence_reply_to(COMPLETE_SHA)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable), bounded(left):
+            store.complete(JOB, A, held.generation)
+        took = time.monotonic() - started
+        assert proxy.dropped_replies == 1
+        assert left <= took < left + 2.0
+        # Redis applied it: asked again, on a fresh connection, it says so
+        assert store.complete(JOB, A, held.generation) == Completed(JOB, held.generation)
 
 
 # --- the proxy's other faults --------------------------------------------------

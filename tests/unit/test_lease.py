@@ -266,14 +266,36 @@ def test_interrupt_raises_lease_lost_in_the_body_thread(
 
 def test_interrupt_is_not_sent_outside_the_body(store: FlakyStore, local: LocalClock) -> None:
     lease = claim(store, local)
-    local.now += 9
-    lease.expire_if_due()
-    assert not lease.interrupt()  # body not running
     lease.enter_body()
     try:
+        local.now += 9
+        lease.expire_if_due()
         assert not lease.interrupt()  # the calling thread is the body's own
     finally:
         lease.leave_body()
+    assert not lease.interrupt()  # body not running
+
+
+def test_a_lease_past_its_deadline_never_enters_its_body(
+    store: FlakyStore, local: LocalClock
+) -> None:
+    lost: list[Lease] = []
+    lease = claim(store, local, lost)
+    local.now = lease.deadline  # nobody noticed yet: the body's start does
+    with pytest.raises(LeaseLost) as raised:
+        lease.enter_body()
+    assert raised.value.reason == "deadline"
+    assert not lease.in_body
+    assert lost == [lease]  # noticed once, outside the body: nothing to interrupt
+
+
+def test_a_lost_lease_never_enters_its_body(store: FlakyStore, local: LocalClock) -> None:
+    lease = claim(store, local)
+    lease.hand_over("retry")
+    with pytest.raises(LeaseLost) as raised:
+        lease.enter_body()
+    assert raised.value.reason == "handed-over"
+    assert not lease.in_body
 
 
 def test_interrupt_of_a_live_lease_does_nothing(store: FlakyStore, local: LocalClock) -> None:
