@@ -40,11 +40,12 @@ def _queued_files(folder: Path) -> list[Path]:
 
 
 def _running_on_a(
-    cluster: Cluster, folder: Path, seconds: float
+    cluster: Cluster, folder: Path, seconds: float, *extra_args: str
 ) -> tuple[Worker, AsyncResult, dict[str, Any], list[Path]]:
-    """Worker A, running a job whose first run takes ``seconds``: A, the
-    job's result, its start event and the message files held in flight."""
-    worker_a = cluster.worker("a")
+    """Worker A (with ``extra_args``), running a job whose first run takes
+    ``seconds``: A, the job's result, its start event and the message files
+    held in flight."""
+    worker_a = cluster.worker("a", extra_args=extra_args)
     result = cluster.send(SLOW_ONCE, seconds)
     (started,) = cluster.side.wait_event(result.id, "start", timeout=60)
     assert started["run"] == 1
@@ -98,3 +99,27 @@ def test_a_living_worker_s_running_job_is_not_taken_by_another(
     outcome = first.get(timeout=120)
     assert outcome == {"run": 1, "generation": started["generation"]}
     assert cluster.side.events(first.id, "start") == [started]
+
+
+def test_a_worker_that_shuts_down_gives_back_what_it_did_not_finish(
+    cluster: Cluster, broker_folder: Path
+) -> None:
+    # A runs one job and holds a second one prefetched; a cold shutdown
+    # stops the run: both message files go back into the queue under their
+    # own names (no copies), and B runs both jobs to SUCCESS
+    worker_a, first, _, _ = _running_on_a(
+        cluster, broker_folder, 600.0, "--prefetch-multiplier", "2"
+    )
+    second = cluster.send(SLOW_ONCE, 0.0)
+    held = wait_until(
+        lambda: [f.name for f in _held_files(broker_folder)][1:] and _held_files(broker_folder),
+        timeout=60,
+        message="A to take the second job too",
+    )
+    worker_a.cold_shutdown()
+    assert worker_a.wait_exit(timeout=60) == 0
+    assert sorted(f.name for f in _queued_files(broker_folder)) == sorted(f.name for f in held)
+    assert _held_files(broker_folder) == []
+    cluster.worker("b")
+    assert first.get(timeout=120)["run"] == 2
+    assert second.get(timeout=60)["run"] == 1
