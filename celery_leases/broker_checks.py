@@ -21,7 +21,8 @@ still held and is deferred again, and no healthy worker loses its channel.
 
 Redis and SQS hand an unacknowledged message out again after their
 ``visibility_timeout`` (:func:`visibility_timeout`, kombu's default when
-unset). With ``leases_broker_keep_invisible`` (:func:`keep_invisible`)
+unset), and so does the embedded filesystem broker
+(:mod:`celery_leases.filesystem`), whose visibility no renewal extends. With ``leases_broker_keep_invisible`` (:func:`keep_invisible`)
 renewals push it forward (:mod:`celery_leases.broker_visibility`), and
 :func:`visibility_warnings` checks at start that they come often enough.
 """
@@ -35,6 +36,7 @@ from typing import Any
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.filesystem import TRANSPORT as WHOLE_FILES_TRANSPORT
 from celery_leases.filesystem import Transport as WholeFilesTransport
+from celery_leases.filesystem import visibility_timeout_option
 
 __all__ = [
     "AMQP_TRANSPORTS",
@@ -199,11 +201,17 @@ def keep_invisible(app: Any) -> bool:
 
 
 def visibility_timeout(app: Any) -> float | None:
-    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker)."""
+    """The visibility timeout of ``app``'s Redis or SQS broker, or of the
+    embedded filesystem broker (None: another broker, or turned off).
+
+    Raises:
+        LeaseConfigurationError: the filesystem broker's option is not a
+            positive number or None.
+    """
+    options = app.conf.broker_transport_options or {}
     transport = visibility_transport(app)
     if transport is None:
-        return None
-    options = app.conf.broker_transport_options or {}
+        return visibility_timeout_option(options) if _whole_files(app) else None
     value = options.get("visibility_timeout", _DEFAULT_VISIBILITY[transport])
     try:
         return float(value)
@@ -224,10 +232,10 @@ def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
     if not keep_invisible(app):
         return []
     timeout = visibility_timeout(app)
-    if timeout is None:
+    if visibility_transport(app) is None or timeout is None:
         return [
             f"{KEEP_INVISIBLE} is set but the broker is neither Redis nor SQS: it has no effect "
-            "there (only those brokers hand a message out again after a visibility timeout)"
+            "there (only on those brokers does a renewal push a message's visibility forward)"
         ]
     for task in tasks:
         interval = task.lease_timing().renew_interval
@@ -245,6 +253,14 @@ def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
 # --- the filesystem broker: whole message files ----------------------------------
 
 
+def _whole_files(app: Any) -> bool:
+    """Whether ``app``'s broker transport is :class:`celery_leases.filesystem.Transport`."""
+    transport = app.conf.broker_transport
+    return transport == WHOLE_FILES_TRANSPORT or (
+        isinstance(transport, type) and issubclass(transport, WholeFilesTransport)
+    )
+
+
 def filesystem_warnings(app: Any) -> list[str]:
     """A warning when ``app``'s ``filesystem://`` broker uses kombu's own transport.
 
@@ -252,12 +268,7 @@ def filesystem_warnings(app: Any) -> list[str]:
     and the message is lost (:mod:`celery_leases.filesystem`).
     """
     urls = (app.conf.broker_read_url, app.conf.broker_write_url, app.conf.broker_url)
-    if "filesystem" not in {_scheme(url) for url in urls}:
-        return []
-    transport = app.conf.broker_transport
-    if transport == WHOLE_FILES_TRANSPORT or (
-        isinstance(transport, type) and issubclass(transport, WholeFilesTransport)
-    ):
+    if "filesystem" not in {_scheme(url) for url in urls} or _whole_files(app):
         return []
     return [
         "the broker is filesystem:// on kombu's own transport, which loses a message when a "

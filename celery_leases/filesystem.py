@@ -94,6 +94,7 @@ __all__ = [
     "TRANSPORT",
     "Channel",
     "Transport",
+    "visibility_timeout_option",
 ]
 
 logger = logging.getLogger(__name__)
@@ -442,8 +443,8 @@ if hasattr(os, "register_at_fork"):  # pragma: no branch - POSIX
     os.register_at_fork(after_in_child=_forget_inherited_places)
 
 
-def _visibility_timeout(options: dict[str, Any]) -> float | None:
-    """The ``visibility_timeout`` transport option, checked.
+def visibility_timeout_option(options: dict[str, Any]) -> float | None:
+    """The ``visibility_timeout`` transport option, checked (None: turned off).
 
     Raises:
         LeaseConfigurationError: it is not a positive number or None.
@@ -470,7 +471,7 @@ class Channel(filesystem.Channel):
         self._look_again: dict[str, float] = {}
         #: queues consumed without acknowledgements, by consumer tag
         self._no_ack_queues: dict[str, str] = {}
-        self.visibility_timeout = _visibility_timeout(self.transport_options)
+        self.visibility_timeout = visibility_timeout_option(self.transport_options)
         _remove_stale_parts(self.data_folder_out, STALE_PART_AGE)
         _sweep(self.data_folder_in, self.visibility_timeout)
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL

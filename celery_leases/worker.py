@@ -38,6 +38,7 @@ from celery_leases.broker_checks import (
     filesystem_warnings,
     keep_invisible,
     visibility_timeout,
+    visibility_transport,
     visibility_warnings,
 )
 from celery_leases.broker_visibility import enable
@@ -256,8 +257,10 @@ def check_app(
     if store_warning is not None:
         warnings.append(store_warning)
     # with leases_broker_keep_invisible, renewals keep a run's message
-    # invisible: a run may outlast the visibility timeout
-    visibility = None if keep_invisible(app) else visibility_timeout(app)
+    # invisible on Redis and SQS (not on the filesystem broker): a run may
+    # outlast the visibility timeout there
+    extended = keep_invisible(app) and visibility_transport(app) is not None
+    visibility = None if extended else visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
     green = green_pool(pool)
     if green is not None:
@@ -315,8 +318,9 @@ def _check_task(
         warnings.append(
             f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
             f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
-            "again and deferred over and over; set leases_broker_keep_invisible = True, or "
-            "raise broker_transport_options['visibility_timeout'] well above your longest run"
+            "again and deferred over and over; set leases_broker_keep_invisible = True "
+            "(Redis, SQS), or raise broker_transport_options['visibility_timeout'] well above "
+            "your longest run"
         )
     time_limit = task.time_limit or app.conf.task_time_limit
     if visibility is not None and time_limit and time_limit > visibility:
@@ -324,7 +328,7 @@ def _check_task(
             f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
             f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
             "delivered again while it runs; the copy is deferred, not run, but set "
-            "leases_broker_keep_invisible = True, or raise "
+            "leases_broker_keep_invisible = True (Redis, SQS), or raise "
             "broker_transport_options['visibility_timeout'] above the time limit"
         )
     if not task.reject_on_worker_lost:

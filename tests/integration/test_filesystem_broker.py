@@ -235,6 +235,47 @@ def test_the_start_check_is_quiet_with_the_whole_files_transport(
     assert issubclass(whole_files.Transport, kombu_filesystem.Transport)
 
 
+def _visibility_warnings(app: Celery, timeout: object) -> list[str]:
+    """The start check's warnings about the visibility timeout, with this
+    transport's ``visibility_timeout`` option at ``timeout`` and a 30 s lease."""
+    app.conf.broker_transport = TRANSPORT
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "visibility_timeout": timeout,
+    }
+    app.conf.leases_ttl = 30
+    return [w for w in check_app(app, pool="solo") if "visibility" in w]
+
+
+def test_the_start_check_warns_of_a_visibility_timeout_below_the_lease_ttl(
+    filesystem_app: Celery,
+) -> None:
+    [warning] = _visibility_warnings(filesystem_app, 10)
+    assert "visibility_timeout (10 s) is shorter than the lease ttl" in warning
+    forget_runtime(filesystem_app)
+    assert _visibility_warnings(filesystem_app, 3600) == []
+    forget_runtime(filesystem_app)
+    assert _visibility_warnings(filesystem_app, None) == []
+
+
+def test_keep_invisible_does_not_silence_the_filesystem_visibility_check(
+    filesystem_app: Celery,
+) -> None:
+    # renewals push no message's visibility forward on this broker: the
+    # setting has no effect, and the start check says both
+    filesystem_app.conf.leases_broker_keep_invisible = True
+    no_effect, too_short = sorted(_visibility_warnings(filesystem_app, 10))
+    assert "leases_broker_keep_invisible is set but the broker is neither" in no_effect
+    assert "visibility_timeout (10 s) is shorter than the lease ttl" in too_short
+
+
+def test_the_start_check_refuses_a_visibility_timeout_that_is_not_a_number(
+    filesystem_app: Celery,
+) -> None:
+    with pytest.raises(LeaseConfigurationError, match="visibility_timeout"):
+        _visibility_warnings(filesystem_app, "an hour")
+
+
 def test_a_writer_stopped_while_holding_its_file_stops_no_consumer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
