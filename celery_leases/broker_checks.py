@@ -22,8 +22,9 @@ still held and is deferred again, and no healthy worker loses its channel.
 Redis and SQS hand an unacknowledged message out again after their
 ``visibility_timeout`` (:func:`visibility_timeout`, kombu's default when
 unset), and so does the embedded filesystem broker
-(:mod:`celery_leases.filesystem`), whose visibility no renewal extends. With ``leases_broker_keep_invisible`` (:func:`keep_invisible`)
-renewals push it forward (:mod:`celery_leases.broker_visibility`), and
+(:mod:`celery_leases.filesystem`), whose visibility no renewal extends.
+With ``leases_broker_keep_invisible`` (:func:`keep_invisible`) renewals push
+it forward on Redis and SQS (:mod:`celery_leases.broker_visibility`), and
 :func:`visibility_warnings` checks at start that they come often enough.
 """
 

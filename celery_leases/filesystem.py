@@ -272,9 +272,11 @@ def _sweep(queue_folder: str, visibility_timeout: float | None) -> None:
     """
     root = os.path.join(queue_folder, IN_FLIGHT_FOLDER)
     try:
-        folders = [n for n in os.listdir(root) if not n.startswith(".")]
+        names = os.listdir(root)
     except OSError:
         return  # no consumer has taken a message here yet
+    folders = [n for n in names if not n.startswith(".")]
+    _remove_stale_staging(root, [n for n in names if n.startswith(".")])
     now: float | None = None
     # this process's own folders live, and their lock files are never opened
     # here: where flock is emulated with POSIX locks (NFS), a second open in
@@ -301,6 +303,22 @@ def _sweep(queue_folder: str, visibility_timeout: float | None) -> None:
                         "timeout (%g s) by the consumer of %s",
                         message, visibility_timeout, folder,
                     )  # fmt: skip
+
+
+def _remove_stale_staging(root: str, names: list[str]) -> None:
+    """Remove the hidden folders in ``root`` left by a process that died while
+    making its in-flight folder (nothing was put in them), once
+    :data:`STALE_PART_AGE` old by the folder's clock."""
+    queue_folder = os.path.dirname(root)
+    now = _folder_now(queue_folder) if names else None
+    if now is None:
+        return
+    for name in names:
+        folder = os.path.join(root, name)
+        with contextlib.suppress(OSError):  # removed meanwhile
+            if os.stat(folder).st_mtime < now - STALE_PART_AGE:
+                _remove_if_gone(folder, queue_folder)
+                os.rmdir(folder)  # one that died before it made its lock file
 
 
 def _remove_if_gone(folder: str, queue_folder: str) -> bool:

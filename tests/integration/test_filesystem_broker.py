@@ -652,3 +652,24 @@ def test_a_forked_child_does_not_keep_a_dead_consumer_s_messages(tmp_path: Path)
     finally:
         if child:
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_folder_left_by_a_consumer_that_died_while_making_it_is_removed_once_stale(
+    tmp_path: Path,
+) -> None:
+    # a consumer makes its in-flight folder under a hidden name, locks it,
+    # then renames it into view; one killed before the rename leaves the
+    # hidden folder, removed by the next channel once STALE_PART_AGE old
+    options = _options(tmp_path)
+    root = tmp_path / "messages" / whole_files.IN_FLIGHT_FOLDER
+    stale, unlocked, fresh = root / ".stale", root / ".no-lock", root / ".fresh"
+    for folder in (stale, unlocked, fresh):
+        folder.mkdir(parents=True)
+    (stale / "lock").write_bytes(b"")
+    (fresh / "lock").write_bytes(b"")
+    old = time.time() - whole_files.STALE_PART_AGE - 60
+    for folder in (stale, unlocked):
+        os.utime(folder, (old, old))
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        connection.default_channel  # noqa: B018 - opening a channel sweeps the folder
+    assert sorted(os.listdir(root)) == [".fresh"]
