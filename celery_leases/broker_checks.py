@@ -22,11 +22,13 @@ still held and is deferred again, and no healthy worker loses its channel.
 Redis and SQS hand an unacknowledged message out again after their
 ``visibility_timeout`` (:func:`visibility_timeout`: the transport option,
 kombu's default when unset, or an existing SQS queue's own shorter
-attribute, which the start check reads). Deferral countdowns are capped at
-half of it too: a deferred copy held longer would be handed out again, and
-each of those deliveries would defer a copy of its own. With
+attribute, which the start check reads), and so does the embedded
+filesystem broker (:mod:`celery_leases.filesystem`), whose visibility no
+renewal extends. Deferral countdowns are capped at half of it too: a
+deferred copy held longer would be handed out again, and each of those
+deliveries would defer a copy of its own. With
 ``leases_broker_keep_invisible`` (:func:`keep_invisible`) renewals push it
-forward (:mod:`celery_leases.broker_visibility`), and
+forward on Redis and SQS (:mod:`celery_leases.broker_visibility`), and
 :func:`visibility_warnings` checks at start that they come often enough.
 """
 
@@ -40,6 +42,7 @@ from typing import Any
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.filesystem import TRANSPORT as WHOLE_FILES_TRANSPORT
 from celery_leases.filesystem import Transport as WholeFilesTransport
+from celery_leases.filesystem import visibility_timeout_option
 
 __all__ = [
     "AMQP_TRANSPORTS",
@@ -225,11 +228,18 @@ _queue_visibility: weakref.WeakKeyDictionary[Any, tuple[float, str]] = weakref.W
 
 
 def configured_visibility_timeout(app: Any) -> float | None:
-    """``app``'s visibility timeout option, or kombu's default (None: not Redis or SQS)."""
+    """``app``'s visibility timeout option, or kombu's default, on Redis or SQS,
+    or the embedded filesystem broker's option (None: another broker, or
+    turned off).
+
+    Raises:
+        LeaseConfigurationError: the filesystem broker's option is not a
+            positive number or None.
+    """
+    options = app.conf.broker_transport_options or {}
     transport = visibility_transport(app)
     if transport is None:
-        return None
-    options = app.conf.broker_transport_options or {}
+        return visibility_timeout_option(options) if _whole_files(app) else None
     value = options.get("visibility_timeout", _DEFAULT_VISIBILITY[transport])
     try:
         return float(value)
@@ -253,7 +263,8 @@ def note_queue_visibility(app: Any, found: Mapping[str, float]) -> None:
 
 
 def visibility_timeout(app: Any) -> float | None:
-    """The visibility timeout of ``app``'s Redis or SQS broker (None: no such broker).
+    """The visibility timeout of ``app``'s Redis, SQS or filesystem broker
+    (None: another broker, or turned off).
 
     The transport option (or kombu's default), or the shortest
     ``VisibilityTimeout`` of an SQS queue the start check found below it.
@@ -287,10 +298,10 @@ def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
     if not keep_invisible(app):
         return []
     timeout = visibility_timeout(app)
-    if timeout is None:
+    if visibility_transport(app) is None or timeout is None:
         return [
             f"{KEEP_INVISIBLE} is set but the broker is neither Redis nor SQS: it has no effect "
-            "there (only those brokers hand a message out again after a visibility timeout)"
+            "there (only on those brokers does a renewal push a message's visibility forward)"
         ]
     for task in tasks:
         interval = task.lease_timing().renew_interval
@@ -308,6 +319,14 @@ def visibility_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
 # --- the filesystem broker: whole message files ----------------------------------
 
 
+def _whole_files(app: Any) -> bool:
+    """Whether ``app``'s broker transport is :class:`celery_leases.filesystem.Transport`."""
+    transport = app.conf.broker_transport
+    return transport == WHOLE_FILES_TRANSPORT or (
+        isinstance(transport, type) and issubclass(transport, WholeFilesTransport)
+    )
+
+
 def filesystem_warnings(app: Any) -> list[str]:
     """A warning when ``app``'s ``filesystem://`` broker uses kombu's own transport.
 
@@ -315,12 +334,7 @@ def filesystem_warnings(app: Any) -> list[str]:
     and the message is lost (:mod:`celery_leases.filesystem`).
     """
     urls = (app.conf.broker_read_url, app.conf.broker_write_url, app.conf.broker_url)
-    if "filesystem" not in {_scheme(url) for url in urls}:
-        return []
-    transport = app.conf.broker_transport
-    if transport == WHOLE_FILES_TRANSPORT or (
-        isinstance(transport, type) and issubclass(transport, WholeFilesTransport)
-    ):
+    if "filesystem" not in {_scheme(url) for url in urls} or _whole_files(app):
         return []
     return [
         "the broker is filesystem:// on kombu's own transport, which loses a message when a "

@@ -39,6 +39,7 @@ from celery_leases.broker_checks import (
     keep_invisible,
     visibility_source,
     visibility_timeout,
+    visibility_transport,
     visibility_warnings,
 )
 from celery_leases.broker_visibility import enable, read_queue_visibility
@@ -259,8 +260,10 @@ def check_app(
     # what an existing SQS queue really has, before anything reads the timeout
     warnings += read_queue_visibility(app)
     # with leases_broker_keep_invisible, renewals keep a run's message
-    # invisible: a run may outlast the visibility timeout
-    visibility = None if keep_invisible(app) else visibility_timeout(app)
+    # invisible on Redis and SQS (not on the filesystem broker): a run may
+    # outlast the visibility timeout there
+    extended = keep_invisible(app) and visibility_transport(app) is not None
+    visibility = None if extended else visibility_timeout(app)
     prefork = pool == "" or "prefork" in pool.lower()
     green = green_pool(pool)
     if green is not None:
@@ -318,8 +321,8 @@ def _check_task(
         warnings.append(
             f"the broker's visibility_timeout ({visibility:g} s) is shorter than the lease "
             f"ttl of task {task.name!r} ({timing.ttl:g} s): every long run is delivered "
-            "again and deferred over and over; set leases_broker_keep_invisible = True, or "
-            f"raise {visibility_source(app)} well above your longest run"
+            "again and deferred over and over; set leases_broker_keep_invisible = True "
+            f"(Redis, SQS), or raise {visibility_source(app)} well above your longest run"
         )
     time_limit = task.time_limit or app.conf.task_time_limit
     if visibility is not None and time_limit and time_limit > visibility:
@@ -327,8 +330,8 @@ def _check_task(
             f"task {task.name!r} may run for {time_limit:g} s (time_limit) but the "
             f"broker's visibility_timeout is {visibility:g} s: a run longer than that is "
             "delivered again while it runs; the copy is deferred, not run, but set "
-            f"leases_broker_keep_invisible = True, or raise {visibility_source(app)} above "
-            "the time limit"
+            "leases_broker_keep_invisible = True (Redis, SQS), or raise "
+            f"{visibility_source(app)} above the time limit"
         )
     if not task.reject_on_worker_lost:
         warnings.append(

@@ -12,14 +12,15 @@ Two set-ups:
 
 Why ``filesystem://`` and not kombu's SQLAlchemy transport on SQLite: the
 filesystem transport hands a message to exactly one consumer by renaming
-its file into the processed folder, and a rename within one file system is
-atomic, so two worker processes never both receive one message (the
-processed folder is kept inside the data folder for that reason: across
-file systems the move becomes a copy and a delete, which two processes can
-both do). kombu's own filesystem transport writes a file in place, so a
-worker polling at that moment can take it half written and lose it; the
-example uses :mod:`celery_leases.filesystem`, which writes each file under a
-hidden name and renames it in once whole. The SQLAlchemy transport reads a
+its file, and a rename within one file system is atomic, so two worker
+processes never both receive one message. kombu's own filesystem transport
+writes a file in place, so a worker polling at that moment can take it half
+written and lose it, and it removes a message as it hands it out, so a
+killed worker's job is lost; the example uses
+:mod:`celery_leases.filesystem`, which writes each file under a hidden name
+and renames it in once whole, and keeps a taken message in the worker's
+locked in-flight folder (inside the messages folder) until it is
+acknowledged: a killed worker's messages go back to the queue. The SQLAlchemy transport reads a
 message and marks it invisible in two statements; SQLite has no ``SELECT ... FOR UPDATE``, so two
 processes can read the same message, and its polling writes make the other
 process meet "database is locked".
@@ -111,7 +112,7 @@ class Config:
         return {
             "data_folder_in": str(queue / "messages"),
             "data_folder_out": str(queue / "messages"),
-            # inside data_dir, so taking a message is one atomic rename
+            # acknowledged messages are kept here
             "store_processed": True,
             "processed_folder": str(queue / "processed"),
             "control_folder": str(queue / "control"),

@@ -22,12 +22,14 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from celery import Celery, Task
 
-from celery_leases import LeasedTask, LeaseLost, StoreUnavailable
+from celery_leases import LeasedTask, LeaseLost, StoreUnavailable, filesystem
 from celery_leases import signals as lease_signals
 from tests.green import unpatched_sleep
 
@@ -53,7 +55,8 @@ class AcceptanceConfig:
     """Everything a worker (or the client in the test) needs to know.
 
     Args:
-        broker: broker URL (Redis).
+        broker: broker URL (Redis, or ``filesystem:///folder`` for the
+            filesystem transport on that folder).
         backend: result backend URL.
         side: Redis URL of the side channel the tasks write events to.
         queue: the only queue this test's workers consume and tasks go to.
@@ -227,6 +230,9 @@ def make_app(config: AcceptanceConfig) -> Celery:
         celery_app.conf.broker_heartbeat = 2
     if config.broker.startswith("sqs"):
         celery_app.conf.worker_enable_remote_control = False  # SQS has no fanout
+    if config.broker.startswith("filesystem"):
+        celery_app.conf.broker_transport = filesystem.TRANSPORT
+        celery_app.conf.worker_enable_remote_control = False  # no fanout there either
     if config.consumer_timeout is not None:
         celery_app.conf.leases_broker_consumer_timeout = config.consumer_timeout
     if config.acks_on_timeout is not None:
@@ -240,6 +246,20 @@ def make_app(config: AcceptanceConfig) -> Celery:
 def _transport_options(config: AcceptanceConfig) -> dict[str, Any]:
     if config.broker.startswith("amqp"):
         return {}
+    if config.broker.startswith("filesystem"):
+        # filesystem:///path: the test's broker folder (kombu reads no URL there)
+        folder = Path(urlsplit(config.broker).path)
+        for name in ("messages", "processed", "control"):
+            (folder / name).mkdir(parents=True, exist_ok=True)
+        return {
+            "data_folder_in": str(folder / "messages"),
+            "data_folder_out": str(folder / "messages"),
+            "store_processed": True,
+            "processed_folder": str(folder / "processed"),
+            "control_folder": str(folder / "control"),
+            "visibility_timeout": config.visibility_timeout,
+            "polling_interval": 0.1,
+        }
     options: dict[str, Any] = {"visibility_timeout": config.visibility_timeout}
     if config.broker.startswith("sqs"):
         # the local server speaks plain HTTP; poll often, so a test waits little

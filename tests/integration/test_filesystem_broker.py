@@ -24,7 +24,7 @@ from celery import Celery
 from kombu import Connection
 from kombu.transport import filesystem as kombu_filesystem
 
-from celery_leases import LeasedTask
+from celery_leases import LeaseConfigurationError, LeasedTask
 from celery_leases import filesystem as whole_files
 from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app
@@ -235,6 +235,47 @@ def test_the_start_check_is_quiet_with_the_whole_files_transport(
     assert issubclass(whole_files.Transport, kombu_filesystem.Transport)
 
 
+def _visibility_warnings(app: Celery, timeout: object) -> list[str]:
+    """The start check's warnings about the visibility timeout, with this
+    transport's ``visibility_timeout`` option at ``timeout`` and a 30 s lease."""
+    app.conf.broker_transport = TRANSPORT
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "visibility_timeout": timeout,
+    }
+    app.conf.leases_ttl = 30
+    return [w for w in check_app(app, pool="solo") if "visibility" in w]
+
+
+def test_the_start_check_warns_of_a_visibility_timeout_below_the_lease_ttl(
+    filesystem_app: Celery,
+) -> None:
+    [warning] = _visibility_warnings(filesystem_app, 10)
+    assert "visibility_timeout (10 s) is shorter than the lease ttl" in warning
+    forget_runtime(filesystem_app)
+    assert _visibility_warnings(filesystem_app, 3600) == []
+    forget_runtime(filesystem_app)
+    assert _visibility_warnings(filesystem_app, None) == []
+
+
+def test_keep_invisible_does_not_silence_the_filesystem_visibility_check(
+    filesystem_app: Celery,
+) -> None:
+    # renewals push no message's visibility forward on this broker: the
+    # setting has no effect, and the start check says both
+    filesystem_app.conf.leases_broker_keep_invisible = True
+    no_effect, too_short = sorted(_visibility_warnings(filesystem_app, 10))
+    assert "leases_broker_keep_invisible is set but the broker is neither" in no_effect
+    assert "visibility_timeout (10 s) is shorter than the lease ttl" in too_short
+
+
+def test_the_start_check_refuses_a_visibility_timeout_that_is_not_a_number(
+    filesystem_app: Celery,
+) -> None:
+    with pytest.raises(LeaseConfigurationError, match="visibility_timeout"):
+        _visibility_warnings(filesystem_app, "an hour")
+
+
 def test_a_writer_stopped_while_holding_its_file_stops_no_consumer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -388,3 +429,247 @@ def test_an_interrupt_during_the_write_leaves_no_hidden_file(tmp_path: Path) -> 
     output = _run_with_queue(options, setup, body, timeout=120)
     assert int(output.split()[-1]) > 0, "no put was interrupted"
     assert [n for n in os.listdir(options["data_folder_out"]) if n.endswith(".part")] == []
+
+
+# --- unacknowledged messages: kept in the consumer's in-flight folder ------------
+
+
+def _in_flight(options: dict[str, Any]) -> list[str]:
+    """Every message file in an in-flight folder, as ``<folder>/<name>``."""
+    root = Path(options["data_folder_in"]) / whole_files.IN_FLIGHT_FOLDER
+    if not root.exists():
+        return []
+    return sorted(f"{p.parent.name}/{p.name}" for p in root.glob("*/*.msg"))
+
+
+#: a child that outlives its parent and keeps none of its pipes open
+_FORK = (
+    "import os, time\n"
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    os.closerange(0, 3)\n"
+    "    time.sleep(600)\n"
+    "    os._exit(0)\n"
+)
+
+
+def _holder(options: dict[str, Any], *, fork: bool = False) -> subprocess.Popen[str]:
+    """A consumer process that takes one message, says so (with the pid of a
+    forked child, if ``fork``), then acknowledges it when told on its stdin."""
+    body = (
+        "message = queue.get(timeout=30)\n"
+        + (_FORK if fork else "child = 0\n")
+        + "print('taken', message.payload['number'], child, flush=True)\n"
+        "import sys\n"
+        "if sys.stdin.readline().strip() == 'ack':\n"
+        "    message.ack()\n"
+        "    print('acked', flush=True)\n"
+    )  # fmt: skip
+    args, env = _queue_process(options, body)
+    return subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _end(holder: subprocess.Popen[str]) -> None:
+    holder.kill()
+    holder.communicate(timeout=30)  # and close its pipes
+
+
+def _taken(holder: subprocess.Popen[str]) -> tuple[int, int]:
+    """Wait for ``holder`` to take its message: the number and the child's pid."""
+    assert holder.stdout is not None
+    line = holder.stdout.readline()
+    assert line.startswith("taken"), f"the holder exited: {holder.wait(timeout=30)}"
+    _, number, child = line.split()
+    return int(number), int(child)
+
+
+def _publish(options: dict[str, Any], *numbers: int) -> list[str]:
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        for number in numbers:
+            queue.put({"number": number})
+    return sorted(_waiting(options))  # the order consumers take them in
+
+
+def test_the_message_of_a_consumer_killed_before_its_ack_comes_back(tmp_path: Path) -> None:
+    # a consumer takes a message and is SIGKILLed before it acknowledges: the
+    # lock on its in-flight folder dies with it, and the next channel opened
+    # on the folder puts the message back under its own name
+    options = _options(tmp_path)
+    [name] = _publish(options, 1)
+    holder = _holder(options)
+    try:
+        assert _taken(holder) == (1, 0)
+        [held] = _in_flight(options)
+        assert held.endswith(f"/{name}")
+        assert _waiting(options) == []
+    finally:
+        _end(holder)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        connection.default_channel  # noqa: B018 - opening a channel sweeps the folder
+        assert _waiting(options) == [name]
+        message = connection.SimpleQueue(_queue(options)).get(timeout=5)
+        assert message.payload == {"number": 1}
+        message.ack()
+    assert _in_flight(options) == []
+    assert os.listdir(tmp_path / "messages" / whole_files.IN_FLIGHT_FOLDER) == []
+    assert os.listdir(tmp_path / "processed") == [name]
+
+
+def test_a_living_consumer_keeps_its_message_until_it_acknowledges(tmp_path: Path) -> None:
+    # another consumer sweeps the folder while the holder lives: the message
+    # stays in the holder's in-flight folder, and its ack files it away
+    options = _options(tmp_path)
+    [name] = _publish(options, 1)
+    holder = _holder(options)
+    try:
+        _taken(holder)
+        with Connection(
+            "filesystem://", transport=TRANSPORT, transport_options=options
+        ) as connection:
+            queue = connection.SimpleQueue(_queue(options))  # its channel swept at opening
+            with pytest.raises(queue.Empty):
+                queue.get(timeout=0.2)
+            assert [held.split("/")[1] for held in _in_flight(options)] == [name]
+            assert holder.stdin is not None
+            assert holder.stdout is not None
+            holder.stdin.write("ack\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline().strip() == "acked"
+            assert holder.wait(timeout=30) == 0
+            with pytest.raises(queue.Empty):
+                queue.get(timeout=0.2)
+    finally:
+        _end(holder)
+    assert os.listdir(tmp_path / "processed") == [name]
+    assert _waiting(options) == _in_flight(options) == []
+
+
+def test_a_consumer_that_closes_puts_back_what_it_did_not_acknowledge(tmp_path: Path) -> None:
+    # a clean exit (Celery's warm shutdown closes its connection): the
+    # prefetched message goes back whole, under its own name, not as a copy
+    options = _options(tmp_path)
+    names = _publish(options, 1, 2)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        first = queue.get(timeout=5)
+        queue.get(timeout=5)  # taken, never acknowledged
+        first.ack()
+    assert sorted(_waiting(options)) == names[1:]
+    assert os.listdir(tmp_path / "processed") == names[:1]
+    assert os.listdir(tmp_path / "messages" / whole_files.IN_FLIGHT_FOLDER) == []
+
+
+def test_a_rejected_message_is_requeued_or_dropped_as_asked(tmp_path: Path) -> None:
+    options = _options(tmp_path)
+    names = _publish(options, 1, 2)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        first = queue.get(timeout=5)
+        first.requeue()
+        assert sorted(_waiting(options)) == names  # the same file, back in its place
+        again = queue.get(timeout=5)
+        assert again.payload == first.payload
+        again.reject()
+        second = queue.get(timeout=5)
+        assert second.payload != first.payload
+        second.ack()
+    # the rejected one is not put back when the connection closes
+    assert _waiting(options) == _in_flight(options) == []
+
+
+def test_messages_taken_without_acknowledgement_are_done_at_once(tmp_path: Path) -> None:
+    options = _options(tmp_path)
+    _publish(options, 1, 2)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options), no_ack=True)
+        first = queue.get(timeout=5)
+        got = connection.default_channel.basic_get(_queue(options), no_ack=True)
+        assert got is not None
+        assert {first.payload["number"], got.payload["number"]} == {1, 2}
+        assert _in_flight(options) == []
+    assert _waiting(options) == []
+    assert len(os.listdir(tmp_path / "processed")) == 2
+
+
+def test_a_message_held_past_the_visibility_timeout_goes_to_another_consumer(
+    tmp_path: Path,
+) -> None:
+    # a consumer that lives but does not acknowledge (stuck): as on Redis and
+    # SQS, its message goes back once the visibility timeout passed; its late
+    # acknowledgements, and one acknowledgement twice, do nothing
+    options = {**_options(tmp_path), "visibility_timeout": 1}
+    [name] = _publish(options, 1)
+    with (
+        Connection("filesystem://", transport=TRANSPORT, transport_options=options) as stuck,
+        Connection("filesystem://", transport=TRANSPORT, transport_options=options) as other,
+    ):
+        held = stuck.SimpleQueue(_queue(options)).get(timeout=5)
+        started = time.monotonic()
+        again = other.SimpleQueue(_queue(options)).get(timeout=60)
+        assert time.monotonic() - started >= 0.9
+        assert again.payload == {"number": 1}
+        held.ack()  # late: the file is the other consumer's now
+        stuck.default_channel.basic_ack(held.delivery_tag)  # twice
+        assert [h.split("/")[1] for h in _in_flight(options)] == [name]
+        again.ack()
+    assert os.listdir(tmp_path / "processed") == [name]
+    assert _waiting(options) == _in_flight(options) == []
+
+
+@pytest.mark.parametrize("value", [0, -1, "soon", True])
+def test_a_visibility_timeout_that_is_not_a_positive_number_is_refused(
+    tmp_path: Path, value: object
+) -> None:
+    options = {**_options(tmp_path), "visibility_timeout": value}
+    with (
+        Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection,
+        pytest.raises(LeaseConfigurationError, match="visibility_timeout"),
+    ):
+        connection.default_channel  # noqa: B018 - opening it checks the options
+
+
+def test_a_forked_child_does_not_keep_a_dead_consumer_s_messages(tmp_path: Path) -> None:
+    # a prefork pool child forked after the consumer took a message shares
+    # the lock's open file: it must not keep the lock when the consumer dies
+    options = _options(tmp_path)
+    _publish(options, 1)
+    holder = _holder(options, fork=True)
+    child = 0
+    try:
+        _, child = _taken(holder)
+        assert child > 0
+    finally:
+        _end(holder)
+    try:
+        with Connection(
+            "filesystem://", transport=TRANSPORT, transport_options=options
+        ) as connection:
+            message = connection.SimpleQueue(_queue(options)).get(timeout=5)
+            assert message.payload == {"number": 1}
+            os.kill(child, 0)  # the child still lives
+            message.ack()
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_folder_left_by_a_consumer_that_died_while_making_it_is_removed_once_stale(
+    tmp_path: Path,
+) -> None:
+    # a consumer makes its in-flight folder under a hidden name, locks it,
+    # then renames it into view; one killed before the rename leaves the
+    # hidden folder, removed by the next channel once STALE_PART_AGE old
+    options = _options(tmp_path)
+    root = tmp_path / "messages" / whole_files.IN_FLIGHT_FOLDER
+    stale, unlocked, fresh = root / ".stale", root / ".no-lock", root / ".fresh"
+    for folder in (stale, unlocked, fresh):
+        folder.mkdir(parents=True)
+    (stale / "lock").write_bytes(b"")
+    (fresh / "lock").write_bytes(b"")
+    old = time.time() - whole_files.STALE_PART_AGE - 60
+    for folder in (stale, unlocked):
+        os.utime(folder, (old, old))
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        connection.default_channel  # noqa: B018 - opening a channel sweeps the folder
+    assert sorted(os.listdir(root)) == [".fresh"]

@@ -24,12 +24,14 @@ for folder in ("messages", "processed", "control"):
 
 app = Celery("shop", broker="filesystem://", backend=f"db+sqlite:///{DATA / 'results.db'}")
 # kombu's filesystem transport, writing each message file whole before a
-# worker can take it (kombu's own can hand out a file still being written)
+# worker can take it (kombu's own can hand out a file still being written),
+# and keeping it until the worker acknowledges it: a killed worker's job
+# goes back to the queue
 app.conf.broker_transport = "celery_leases.filesystem:Transport"
 app.conf.broker_transport_options = {
     "data_folder_in": str(BROKER / "messages"),
     "data_folder_out": str(BROKER / "messages"),
-    # taking a message is one atomic rename into this folder
+    # acknowledged messages are kept here
     "store_processed": True,
     "processed_folder": str(BROKER / "processed"),
     "control_folder": str(BROKER / "control"),

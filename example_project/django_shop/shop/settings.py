@@ -106,7 +106,8 @@ if os.environ.get("SHOP_DB_NAME"):
 BROKER_FOLDER = DATA / "broker"
 CELERY_BROKER_URL = "filesystem://"
 # kombu's filesystem transport, writing each message file whole before a
-# worker can take it (kombu's own can hand out a file still being written)
+# worker can take it (kombu's own can hand out a file still being written),
+# and keeping it until the worker acknowledges it
 CELERY_BROKER_TRANSPORT = "celery_leases.filesystem:Transport"
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "data_folder_in": str(BROKER_FOLDER / "messages"),
