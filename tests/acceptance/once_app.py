@@ -10,7 +10,9 @@ variables of :mod:`tests.acceptance.app`, and these:
   its own, then the library's completion: the variant that applies an
   effect twice, which the tests must catch) or ``retry-inside`` (as
   ``together``, but the first run calls ``self.retry(countdown=0)`` inside
-  the block, after its row);
+  the block, after its row) or ``retry-after`` (the first run raises inside
+  the block, after its row, and calls ``self.retry(countdown=0)`` after it,
+  as the docs advise);
 - ``LEASES_TEST_ONCE_URL``: the URL of the task's own engine (default: the
   lease store's), for a connection through a proxy or with another role;
 - ``LEASES_TEST_ONCE_KILL_AT``: comma-separated steps at which the pool
@@ -80,6 +82,10 @@ def _engine() -> sa.Engine:
     return _engines[pid]
 
 
+class TryLater(Exception):
+    """Raised inside the block of ``retry-after``: the block rolls back."""
+
+
 def _kill_once(job_id: str, step: str) -> None:
     if step not in KILL_AT:
         return
@@ -103,12 +109,17 @@ def once(self: Any, seconds: float = 0.0) -> dict[str, Any]:
             _kill_once(lease.job_id, "inside")
         _kill_once(lease.job_id, "after-commit")
         return row
-    with exactly_once(self, _engine()) as tx:
-        tx.connection.execute(sa.insert(EFFECTS).values(row))
-        _kill_once(lease.job_id, "inside")
-        if MODE == "retry-inside" and self.request.retries == 0:
-            self.retry(countdown=0)
-        value = tx.complete(row)
+    try:
+        with exactly_once(self, _engine()) as tx:
+            tx.connection.execute(sa.insert(EFFECTS).values(row))
+            _kill_once(lease.job_id, "inside")
+            if MODE.startswith("retry-") and self.request.retries == 0:
+                if MODE == "retry-inside":
+                    self.retry(countdown=0)
+                raise TryLater(lease.job_id)
+            value = tx.complete(row)
+    except TryLater as busy:
+        raise self.retry(exc=busy, countdown=0) from busy
     _kill_once(lease.job_id, "after-commit")
     return value
 

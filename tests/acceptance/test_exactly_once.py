@@ -279,3 +279,26 @@ def test_retry_inside_the_block_is_refused_at_once(
     assert record.state is LeaseState.RELEASED
     assert effects_per_job(lease_store_target, effects, [job]) == {job: 0}
     assert "could not release" not in worker.log()
+
+
+@pytest.mark.parametrize("lease_store_target", ["postgres", "sqlite"], indirect=True)
+def test_retry_after_the_block_runs_the_job_again_at_once(
+    cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
+) -> None:
+    """The way the docs advise: raise inside the block (it rolls back), call
+    ``self.retry()`` after it. The release does not wait, and the retry
+    claims the job at once and commits the one row."""
+    env = once_env(lease_store_target, effects, mode="retry-after", kill_at="")
+    worker = cluster.worker("a", app=ONCE_APP, env=env)
+    job = f"retried-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    value = cluster.send(ONCE, task_id=job).get(timeout=60)
+    seconds = time.monotonic() - started
+    record = cluster.record(job)
+    assert record is not None
+    print(f"retry() after the block, {lease_store_target.kind}: runs {runs(cluster, job)}, "
+          f"answered in {seconds:.1f} s")  # fmt: skip
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, value["generation"])
+    assert runs(cluster, job) == 2
+    assert not_once(effects_per_job(lease_store_target, effects, [job])) == {}
+    assert "could not release" not in worker.log()
