@@ -31,7 +31,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import exc
+from sqlalchemy import event, exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -45,6 +45,7 @@ from celery_leases.lease import Lease
 from celery_leases.outcome import encode_value
 from celery_leases.run_steps import outcome_options
 from celery_leases.stores.base import Refusal
+from celery_leases.stores.sql_errors import permanent, reason, refused_for_good
 
 __all__ = ["Bind", "ExactlyOnce", "exactly_once"]
 
@@ -111,13 +112,20 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
     Raises:
         LeaseLost: the lease is not current (lost locally, or taken over,
             released or run out by the database's clock), or the database
-            failed before the commit (a lost connection, a timeout:
-            ``reason`` ``"unavailable"``); nothing was committed, and the run
-            ends fenced out and its message is published again.
+            failed before the commit, also while connecting as the block
+            opens (a lost or refused connection, a timeout: ``reason``
+            ``"unavailable"``); nothing was committed, and the run ends
+            fenced out and its message is published again.
         LeaseConfigurationError: the lease store is not SQL, ``bind`` is on
-            another database, already in a transaction, or the block ended
-            without ``tx.complete()``; nothing was committed.
+            another database, already in a transaction, its role has no
+            rights on the lease table, a session wrote through a second
+            connection (``binds=``), ``retry()`` or ``replace()`` was called
+            inside the block, or the block ended without ``tx.complete()``;
+            nothing was committed.
         LeaseError: the run already completed in such a transaction.
+
+    A failure that trying again cannot cure (credentials, rights, a
+    constraint, a bad statement) passes through as the task's own error.
     """
     with run_once(task, _opened(bind), failures=(exc.OperationalError,)) as tx:
         yield tx
@@ -148,7 +156,9 @@ def run_once(
     The lease is checked before ``opened`` is entered, the record locked as
     the transaction's first statement and completed as its last; a failure
     of one of ``failures`` (the database's: a lost connection, a timeout)
-    before the commit makes the lease lost with ``reason`` ``"unavailable"``.
+    from entering ``opened`` until the commit makes the lease lost with
+    ``reason`` ``"unavailable"``, unless it is a refusal for good (rights,
+    credentials), which passes through.
     """
     lease: Lease = task.lease
     store = _sql_store(lease)
@@ -160,7 +170,7 @@ def run_once(
             generation=lease.generation,
         )
     lease.check()
-    with opened as (connection, session, commit, rollback, before_complete):
+    with _open(lease, opened, failures) as (connection, session, commit, rollback, before_complete):
         try:
             _fenced(lease, lock_in_transaction, connection, store)
             tx = ExactlyOnce(connection, session, lease)
@@ -179,9 +189,12 @@ def run_once(
             _fenced(lease, complete_in_transaction, connection, store, outcome)
         except failures as error:
             # a lost connection, a timeout, a lock not granted: nothing was
-            # committed, so the job runs again (a constraint or a bad
-            # statement is the task's own error and passes through)
+            # committed, so the job runs again (a constraint, a bad
+            # statement or missing rights are the task's own error and pass
+            # through: running again would meet them again)
             _roll_back(rollback)
+            if not _outage(error):
+                raise
             raise _unavailable(
                 lease,
                 f"the transaction of job {lease.job_id!r} (generation {lease.generation}) "
@@ -198,6 +211,52 @@ def run_once(
             _settle_commit(lease, error)
     lease.finish()
     lease.completed_in_transaction = True
+
+
+@contextlib.contextmanager
+def _open(
+    lease: Lease,
+    opened: contextlib.AbstractContextManager[OpenTransaction],
+    failures: tuple[type[BaseException], ...],
+) -> Iterator[OpenTransaction]:
+    """Enter ``opened``; the lease reads as in a transaction until it is left.
+
+    Opening connects (an engine's new connection, a session's first one, a
+    pool's pre-ping and its reconnect, Django's ``ensure_connection``) and
+    begins: an outage there is one of the transaction's, and the job runs
+    again, as for a failure inside the block.
+
+    Raises:
+        LeaseLost: the database failed to open the transaction (reason
+            ``"unavailable"``); nothing was begun.
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            transaction = stack.enter_context(opened)
+        except failures as error:
+            if not _outage(error):
+                raise  # credentials, a database that does not exist: not an outage
+            raise _unavailable(
+                lease,
+                f"the transaction of job {lease.job_id!r} (generation {lease.generation}) "
+                f"could not begin: {reason(error)}; nothing was written",
+            ) from error
+        lease.in_transaction = True
+        try:
+            yield transaction
+        finally:
+            lease.in_transaction = False
+
+
+def _outage(error: BaseException) -> bool:
+    """Whether a database failure is an outage that trying again can cure (a
+    lost or refused connection, a timeout), not a refusal for good (credentials,
+    rights), judged as the SQL lease store judges its own."""
+    if isinstance(error, exc.DBAPIError):
+        return not permanent(error)
+    # a framework's class around the driver's error (Django's OperationalError)
+    cause = error.__cause__
+    return cause is None or not refused_for_good(cause)
 
 
 def _roll_back(rollback: Callable[[], None]) -> None:
@@ -283,7 +342,18 @@ def _opened(bind: Bind) -> Iterator[OpenTransaction]:
     if isinstance(bind, Session):
         _not_in_transaction(bind.in_transaction(), "session")
         bind.begin()
-        yield OpenTransaction(bind.connection(), bind, bind.commit, bind.rollback, bind.flush)
+        try:
+            connection = bind.connection()  # connects: may fail
+        except BaseException:
+            _roll_back(bind.rollback)  # the session stays usable, outside a transaction
+            raise
+        with _one_connection(bind, connection) as check:
+
+            def before_complete() -> None:
+                bind.flush()
+                check()
+
+            yield OpenTransaction(connection, bind, bind.commit, bind.rollback, before_complete)
     elif isinstance(bind, Connection):
         _not_in_transaction(bind.in_transaction(), "connection")
         transaction = bind.begin()
@@ -299,6 +369,42 @@ def _opened(bind: Bind) -> Iterator[OpenTransaction]:
             f"exactly_once needs a SQLAlchemy Engine, Connection or Session, not "
             f"{type(bind).__name__}"
         )
+
+
+@contextlib.contextmanager
+def _one_connection(session: Session, connection: Connection) -> Iterator[Callable[[], None]]:
+    """Watch the connections ``session`` begins in the block; the check made
+    after its flush raises if one is not ``connection``, the lock's.
+
+    A session whose ``binds=`` send some classes or tables to another engine
+    writes them on a connection of their own, which commits apart from the
+    completion (and may fail alone): refused before the completion.
+
+    Raises:
+        LeaseConfigurationError: (from the check) another connection was used.
+    """
+    others: list[Connection] = []
+
+    def begun(_session: Session, _transaction: Any, begun_connection: Connection) -> None:
+        if begun_connection is not connection:
+            others.append(begun_connection)
+
+    def check() -> None:
+        if others:
+            other = others[0].engine.url.render_as_string(hide_password=True)
+            raise LeaseConfigurationError(
+                f"the session given to exactly_once used a second connection, to {other}, "
+                "besides the one that locks the lease record (a bind of its binds=): its "
+                "writes there would commit apart from the completion. Give the block a "
+                "session with one bind, on the lease store's database; the transaction was "
+                "rolled back, nothing was written"
+            )
+
+    event.listen(session, "after_begin", begun)
+    try:
+        yield check
+    finally:
+        event.remove(session, "after_begin", begun)
 
 
 def _not_in_transaction(inside: bool, what: str) -> None:

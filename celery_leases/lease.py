@@ -72,8 +72,8 @@ class Lease:
     __slots__ = (
         "__weakref__", "_clock", "_deadline", "_finished", "_in_body", "_interrupted",
         "_lease_until_ms", "_lock", "_lost", "_on_lost", "_on_renewed", "_thread_id",
-        "completed_in_transaction", "generation", "hostname", "job_id", "next_renew_at",
-        "owner", "renewals", "store", "task_id", "task_name", "timing",
+        "completed_in_transaction", "generation", "hostname", "in_transaction", "job_id",
+        "next_renew_at", "owner", "renewals", "store", "task_id", "task_name", "timing",
     )  # fmt: skip
 
     def __init__(
@@ -119,6 +119,9 @@ class Lease:
         #: the run's completion committed with its writes, in the task's own
         #: transaction (celery_leases.exactly_once): the run is not completed again
         self.completed_in_transaction = False
+        #: the run's exactly_once block is open: its transaction holds the
+        #: lease record's lock, so the lease cannot be handed over from inside
+        self.in_transaction = False
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else f"{self.remaining():.1f}s left"

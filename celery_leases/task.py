@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery._state import _task_stack
@@ -224,6 +224,8 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def _hand_over(self, reason: str) -> None:
         request = self.request
         run = self._current_run()
+        if run is not None and run.lease.in_transaction:
+            _refuse_inside_transaction(run.lease, reason)
         if run is None or request.is_eager or request.called_directly or run.handed_over:
             return  # eager: the new run nests inside this one's lease
         lease = run.lease
@@ -393,6 +395,28 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             fenced_out(self, lease, request, args, kwargs, result.reason.value)
         observe.send(signals.lease_completed, self, lease=lease, job_id=lease.job_id)
         return value
+
+
+def _refuse_inside_transaction(lease: Lease, reason: str) -> NoReturn:
+    """``retry()`` or ``replace()`` inside an ``exactly_once`` block.
+
+    The block's transaction holds the lease record's lock until it ends:
+    a release sent now would wait for that lock (the store's lock timeout,
+    then the new run waits for the lease to run out), and ending the
+    transaction here would leave the block's code running on a finished
+    one. The block ends first, then the run can hand the lease over.
+    """
+    call = "self.retry()" if reason == "retry" else "self.replace()"
+    raise LeaseConfigurationError(
+        f"{call} was called inside the exactly_once block of job {lease.job_id!r} "
+        f"(generation {lease.generation}): the block's transaction holds the lease "
+        f"record's lock until it ends, so the lease cannot be handed over from inside it. "
+        f"The block is rolled back and nothing was written; call {call} after the "
+        "block (raise inside it, catch outside, then retry)",
+        job_id=lease.job_id,
+        owner=lease.owner,
+        generation=lease.generation,
+    )
 
 
 def _leave_body(lease: Lease) -> None:

@@ -33,6 +33,7 @@ from celery_leases.errors import (
 )
 from celery_leases.fencing.sql_transaction import _lease_lost
 from celery_leases.stores.base import CompleteResult, LeaseRecord, LeaseState, Refusal
+from celery_leases.stores.sql_errors import permanent
 
 __all__ = ["OnceStore", "complete_in_transaction", "lock_in_transaction"]
 
@@ -75,8 +76,9 @@ def lock_in_transaction(
             or run out by the database's clock); ``reason`` says which.
         LeaseConfigurationError: ``conn`` is not on the lease store's
             database (the table is missing there, or its record is not the
-            one the store holds).
-        StoreUnavailable: the statement failed.
+            one the store holds), or its role has no rights on the lease
+            table.
+        StoreUnavailable: the statement failed (an outage, a timeout).
     """
     check_same_dialect(conn, store)
     try:
@@ -103,7 +105,8 @@ def complete_in_transaction(
     Raises:
         LeaseLost: the store refused it (the record changed since the lock,
             which the lock rules out unless it was released by an operator).
-        StoreUnavailable: the statement failed.
+        LeaseConfigurationError: ``conn``'s role has no rights on the lease table.
+        StoreUnavailable: the statement failed (an outage, a timeout).
     """
     try:
         result = store.complete_in(conn, job_id, owner, generation, outcome)
@@ -172,6 +175,20 @@ def _statement_error(
             f"the lease table {store.table.name!r} is not in the database of the "
             f"transaction's connection ({detail}): the completion commits with your writes "
             "only in the lease store's own database",
+            job_id=job_id,
+            owner=owner,
+            generation=generation,
+        )
+    if permanent(error):
+        # no rights on the lease table (the role of the task's connection
+        # is not the store's), or a statement the database refuses: trying
+        # again cannot help, so the run must not be published again
+        return LeaseConfigurationError(
+            f"the database refused the {step} of job {job_id!r} (generation {generation}) "
+            f"on the lease table {store.table.name!r} in the task's transaction: {detail}. "
+            "The connection given to exactly_once needs the rights the lease store has on "
+            "that table (SELECT and UPDATE); the transaction is rolled back, nothing was "
+            "written",
             job_id=job_id,
             owner=owner,
             generation=generation,

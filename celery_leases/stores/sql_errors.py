@@ -55,13 +55,20 @@ def permanent(error: BaseException) -> bool:
     if not isinstance(error, exc.OperationalError):
         return False
     orig = getattr(error, "orig", None)
-    number = next(iter(getattr(orig, "args", ())), None)
+    return refused_for_good(orig if orig is not None else error)
+
+
+def refused_for_good(error: BaseException) -> bool:
+    """Whether a driver's operational error (``orig`` of SQLAlchemy's, the
+    cause of a framework's) is a refusal that trying again cannot change:
+    credentials, rights, a missing database or table."""
+    number = next(iter(getattr(error, "args", ())), None)
     if isinstance(number, int) and not isinstance(number, bool):  # PyMySQL: (errno, message)
         return number in _PERMANENT_MYSQL_ERRORS
-    sqlstate = getattr(orig, "sqlstate", None)
+    sqlstate = getattr(error, "sqlstate", None)
     if isinstance(sqlstate, str) and sqlstate:
         return sqlstate.startswith("28") or sqlstate in _PERMANENT_SQLSTATES
-    text = str(orig if orig is not None else error).lower()
+    text = str(error).lower()
     return any(message in text for message in _PERMANENT_MESSAGES)
 
 

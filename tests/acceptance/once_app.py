@@ -6,9 +6,15 @@ variables of :mod:`tests.acceptance.app`, and these:
 - ``LEASES_TEST_ONCE_TABLE``: the effects table (``job_id``, ``generation``),
   in the lease store's database; the test creates it;
 - ``LEASES_TEST_ONCE_MODE``: ``together`` (the row and the completion in one
-  ``exactly_once`` transaction) or ``separate`` (the row in a transaction of
+  ``exactly_once`` transaction), ``separate`` (the row in a transaction of
   its own, then the library's completion: the variant that applies an
-  effect twice, which the tests must catch);
+  effect twice, which the tests must catch) or ``retry-inside`` (as
+  ``together``, but the first run calls ``self.retry(countdown=0)`` inside
+  the block, after its row) or ``retry-after`` (the first run raises inside
+  the block, after its row, and calls ``self.retry(countdown=0)`` after it,
+  as the docs advise);
+- ``LEASES_TEST_ONCE_URL``: the URL of the task's own engine (default: the
+  lease store's), for a connection through a proxy or with another role;
 - ``LEASES_TEST_ONCE_KILL_AT``: comma-separated steps at which the pool
   process SIGKILLs itself, once per job and step: ``before`` (the body
   started, no transaction yet), ``inside`` (the row written, not
@@ -16,7 +22,7 @@ variables of :mod:`tests.acceptance.app`, and these:
   ``after-result`` (Celery stored the result, the message is not acked).
 
 Each kill is counted in the side channel (``side:once-kills:<step>``)
-before it happens.
+before it happens, and each body that starts in ``side:once-runs:<job_id>``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ STEPS = ("before", "inside", "after-commit", "after-result")
 config = config_from_env()
 app = make_app(config)
 MODE = os.environ.get("LEASES_TEST_ONCE_MODE", "together")
+URL = os.environ.get("LEASES_TEST_ONCE_URL") or config.store
 KILL_AT = frozenset(filter(None, os.environ.get("LEASES_TEST_ONCE_KILL_AT", "").split(",")))
 _engines: dict[int, sa.Engine] = {}
 
@@ -71,8 +78,12 @@ def engine_for(url: str) -> sa.Engine:
 def _engine() -> sa.Engine:
     pid = os.getpid()
     if pid not in _engines:  # one per pool process: no connection crosses a fork
-        _engines[pid] = engine_for(config.store)
+        _engines[pid] = engine_for(URL)
     return _engines[pid]
+
+
+class TryLater(Exception):
+    """Raised inside the block of ``retry-after``: the block rolls back."""
 
 
 def _kill_once(job_id: str, step: str) -> None:
@@ -88,6 +99,7 @@ def _kill_once(job_id: str, step: str) -> None:
 def once(self: Any, seconds: float = 0.0) -> dict[str, Any]:
     """Insert one row for the job, with its completion or (variant) apart from it."""
     lease = self.lease
+    side_channel(config.side).incr(f"side:once-runs:{lease.job_id}")
     _kill_once(lease.job_id, "before")
     _sleep_steps(seconds, 0.05)
     row = {"job_id": lease.job_id, "generation": lease.generation}
@@ -97,10 +109,17 @@ def once(self: Any, seconds: float = 0.0) -> dict[str, Any]:
             _kill_once(lease.job_id, "inside")
         _kill_once(lease.job_id, "after-commit")
         return row
-    with exactly_once(self, _engine()) as tx:
-        tx.connection.execute(sa.insert(EFFECTS).values(row))
-        _kill_once(lease.job_id, "inside")
-        value = tx.complete(row)
+    try:
+        with exactly_once(self, _engine()) as tx:
+            tx.connection.execute(sa.insert(EFFECTS).values(row))
+            _kill_once(lease.job_id, "inside")
+            if MODE.startswith("retry-") and self.request.retries == 0:
+                if MODE == "retry-inside":
+                    self.retry(countdown=0)
+                raise TryLater(lease.job_id)
+            value = tx.complete(row)
+    except TryLater as busy:
+        raise self.retry(exc=busy, countdown=0) from busy
     _kill_once(lease.job_id, "after-commit")
     return value
 

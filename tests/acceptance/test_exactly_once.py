@@ -7,11 +7,16 @@ transaction, inside it, after the commit, after Celery stored the result),
 each message is delivered twice, and a worker is frozen past its lease; the
 check is the count of rows per job, which must be exactly 1. The variant
 that commits the row and the completion apart must be caught by the same
-count.
+count. A database that refuses the task's connections as its block opens,
+a task role without rights on the lease table and ``retry()`` inside the
+block each end the job in a bounded time: run again, failed at once with a
+configuration error, refused at once.
 """
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -25,12 +30,19 @@ from celery_leases.sending import keeping_send_id
 from tests.acceptance.conftest import Cluster, StoreTarget
 from tests.acceptance.harness import wait_until
 from tests.acceptance.once_app import ONCE, STEPS, effects_table, engine_for
+from tests.proxy import Proxy
+from tests.servers import MariadbServer
 
 # Every test here runs on PostgreSQL, SQLite and MariaDB; on PostgreSQL and
 # MariaDB, with partitions and store restarts besides, in the chaos harness's
 # once profile too (tests/chaos/test_chaos_run.py)
 EVERY_DATABASE = pytest.mark.parametrize(
     "lease_store_target", ["postgres", "sqlite", "mysql"], indirect=True
+)
+
+# the databases a task connects to over the network, with roles of their own
+NETWORK_DATABASES = pytest.mark.parametrize(
+    "lease_store_target", ["postgres", "mysql"], indirect=True
 )
 
 ONCE_APP = "tests.acceptance.once_app"
@@ -71,6 +83,11 @@ def once_env(target: StoreTarget, table: sa.Table, *, mode: str, kill_at: str) -
         "LEASES_TEST_ONCE_MODE": mode,
         "LEASES_TEST_ONCE_KILL_AT": kill_at,
     }
+
+
+def runs(cluster: Cluster, job: str) -> int:
+    """How many bodies of the job started."""
+    return int(cluster.side.client.get(f"side:once-runs:{job}") or 0)
 
 
 def kills(cluster: Cluster) -> dict[str, int]:
@@ -147,3 +164,141 @@ def test_a_worker_frozen_past_its_lease_applies_nothing(
     assert record is not None
     assert value["generation"] == record.generation
     assert not_once(effects_per_job(lease_store_target, effects, [job])) == {}
+
+
+@NETWORK_DATABASES
+def test_a_connection_refused_as_the_block_opens_runs_the_job_again(
+    cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
+) -> None:
+    """The database refuses the task's connections as its block opens (the
+    engine's connect): the run is fenced out and published again, and the
+    next run, once connections pass, commits the one row."""
+    database = sa.make_url(lease_store_target.url)
+    assert database.port is not None
+    with Proxy("127.0.0.1", database.port) as proxy:
+        proxy.refuse()
+        through = database.set(host="127.0.0.1", port=proxy.port)
+        env = {
+            **once_env(lease_store_target, effects, mode="together", kill_at=""),
+            "LEASES_TEST_ONCE_URL": through.render_as_string(hide_password=False),
+        }
+        worker = cluster.worker("a", app=ONCE_APP, env=env)
+        job = f"refused-{uuid.uuid4().hex[:8]}"
+        started = time.monotonic()
+        result = cluster.send(ONCE, task_id=job)
+        worker.wait_for_log(rf"lease fenced-out: job={re.escape(job)}", timeout=60)
+        proxy.heal()
+        value = result.get(timeout=60)
+        seconds = time.monotonic() - started
+    record = cluster.record(job)
+    assert record is not None
+    print(f"connection refused as the block opens, {lease_store_target.kind}: runs "
+          f"{runs(cluster, job)}, rows {effects_per_job(lease_store_target, effects, [job])}, "
+          f"answered in {seconds:.1f} s")  # fmt: skip
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, value["generation"])
+    assert runs(cluster, job) == 2
+    assert not_once(effects_per_job(lease_store_target, effects, [job])) == {}
+
+
+def role_without_lease_rights(
+    request: pytest.FixtureRequest, target: StoreTarget, effects: sa.Table
+) -> str:
+    """A URL of the lease store's database with a new role that may write the
+    effects table but has no rights on the lease table."""
+    role = f"lowly_{uuid.uuid4().hex[:8]}"
+    url = sa.make_url(target.url)
+    if target.kind == "postgres":
+        engine = engine_for(target.url)
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN")
+                conn.exec_driver_sql(f"GRANT SELECT, INSERT ON {effects.name} TO {role}")
+                conn.exec_driver_sql(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        finally:
+            engine.dispose()
+        return url.set(username=role).render_as_string(hide_password=False)
+    server: MariadbServer = request.getfixturevalue("mariadb_server")
+    server.sql(
+        f"CREATE USER '{role}'@'127.0.0.1' IDENTIFIED BY '{role}';"
+        f"GRANT SELECT, INSERT ON {url.database}.{effects.name} TO '{role}'@'127.0.0.1';"
+    )
+    return url.set(username=role, password=role).render_as_string(hide_password=False)
+
+
+@NETWORK_DATABASES
+def test_a_role_without_rights_on_the_lease_table_fails_the_job_at_once(
+    request: pytest.FixtureRequest,
+    cluster: Cluster,
+    lease_store_target: StoreTarget,
+    effects: sa.Table,
+) -> None:
+    """Missing rights are a configuration, not an outage: the job fails with
+    LeaseConfigurationError after one run, never published again."""
+    env = {
+        **once_env(lease_store_target, effects, mode="together", kill_at=""),
+        "LEASES_TEST_ONCE_URL": role_without_lease_rights(request, lease_store_target, effects),
+    }
+    cluster.worker("a", app=ONCE_APP, env=env)
+    job = f"rights-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    result = cluster.send(ONCE, task_id=job)
+    with pytest.raises(Exception, match=r"permission denied|command denied") as failed:
+        result.get(timeout=60)
+    seconds = time.monotonic() - started
+    record = cluster.record(job)
+    assert record is not None
+    print(f"no rights on the lease table, {lease_store_target.kind}: runs {runs(cluster, job)}, "
+          f"{type(failed.value).__name__} in {seconds:.1f} s")  # fmt: skip
+    assert type(failed.value).__name__ == "LeaseConfigurationError"
+    assert runs(cluster, job) == 1
+    assert record.state is LeaseState.RELEASED
+    assert effects_per_job(lease_store_target, effects, [job]) == {job: 0}
+
+
+@pytest.mark.parametrize("lease_store_target", ["postgres", "sqlite"], indirect=True)
+def test_retry_inside_the_block_is_refused_at_once(
+    cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
+) -> None:
+    """``self.retry()`` inside the block would wait for the record's lock its
+    own transaction holds: it is refused with LeaseConfigurationError, the
+    block rolls back and the lease is released at once."""
+    env = once_env(lease_store_target, effects, mode="retry-inside", kill_at="")
+    worker = cluster.worker("a", app=ONCE_APP, env=env)
+    job = f"retry-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    result = cluster.send(ONCE, task_id=job)
+    with pytest.raises(Exception, match=r"self\.retry\(\) was called inside") as refused:
+        result.get(timeout=60)
+    seconds = time.monotonic() - started
+    record = cluster.record(job)
+    assert record is not None
+    print(f"retry() inside the block, {lease_store_target.kind}: runs {runs(cluster, job)}, "
+          f"{type(refused.value).__name__} in {seconds:.1f} s")  # fmt: skip
+    assert type(refused.value).__name__ == "LeaseConfigurationError"
+    assert runs(cluster, job) == 1
+    assert record.state is LeaseState.RELEASED
+    assert effects_per_job(lease_store_target, effects, [job]) == {job: 0}
+    assert "could not release" not in worker.log()
+
+
+@pytest.mark.parametrize("lease_store_target", ["postgres", "sqlite"], indirect=True)
+def test_retry_after_the_block_runs_the_job_again_at_once(
+    cluster: Cluster, lease_store_target: StoreTarget, effects: sa.Table
+) -> None:
+    """The way the docs advise: raise inside the block (it rolls back), call
+    ``self.retry()`` after it. The release does not wait, and the retry
+    claims the job at once and commits the one row."""
+    env = once_env(lease_store_target, effects, mode="retry-after", kill_at="")
+    worker = cluster.worker("a", app=ONCE_APP, env=env)
+    job = f"retried-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    value = cluster.send(ONCE, task_id=job).get(timeout=60)
+    seconds = time.monotonic() - started
+    record = cluster.record(job)
+    assert record is not None
+    print(f"retry() after the block, {lease_store_target.kind}: runs {runs(cluster, job)}, "
+          f"answered in {seconds:.1f} s")  # fmt: skip
+    assert (record.state, record.generation) == (LeaseState.COMPLETED, value["generation"])
+    assert runs(cluster, job) == 2
+    assert not_once(effects_per_job(lease_store_target, effects, [job])) == {}
+    assert "could not release" not in worker.log()

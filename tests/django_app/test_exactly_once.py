@@ -32,6 +32,7 @@ from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import Acquired, LeaseState
 from tests.acceptance.harness import wait_until
 from tests.django_app.conftest import StartWorker
+from tests.proxy import Proxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -260,3 +261,30 @@ def test_an_error_in_the_block_rolls_its_rows_back_and_passes_through(
     assert django_store.get(task.lease.job_id).state is LeaseState.HELD  # type: ignore[union-attr]
     assert not task.lease.lost
     assert connection.get_autocommit()
+
+
+def test_a_connection_refused_as_the_block_opens_loses_the_lease() -> None:
+    """Django's connection is refused as the block opens (``atomic()``
+    connects): the lease reads as lost with reason ``"unavailable"``, so the
+    run is fenced out and published again rather than failed."""
+    if connection.vendor == "sqlite":
+        pytest.skip("a refused connection needs a database over the network")
+    settings = connection.settings_dict
+    saved = settings["HOST"], settings["PORT"]
+    with Proxy(settings["HOST"] or "127.0.0.1", int(settings["PORT"] or 0)) as proxy:
+        connection.close()
+        settings["HOST"], settings["PORT"] = "127.0.0.1", str(proxy.port)
+        store = open_store("django://default")  # the same database, through the proxy
+        try:
+            task = held_by_this_process(store)
+            proxy.refuse()
+            connection.close()
+            with pytest.raises(LeaseLost) as lost:
+                ship_here(task)
+        finally:
+            store.close()
+            connection.close()
+            settings["HOST"], settings["PORT"] = saved
+    assert lost.value.reason == "unavailable"
+    assert "could not begin" in str(lost.value)
+    assert task.lease.lost

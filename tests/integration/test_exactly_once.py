@@ -22,6 +22,7 @@ from celery_leases.exactly_once import exactly_once
 from celery_leases.outcome import decode
 from celery_leases.task import store_for
 from tests.integration.conftest import WAIT, Recorder, worker
+from tests.proxy import Proxy
 
 pytestmark = pytest.mark.redis
 
@@ -65,6 +66,11 @@ def rows_of(engine: sa.Engine, table: sa.Table, job_id: str) -> int:
                 sa.select(sa.func.count()).select_from(table).where(table.c.job_id == job_id)
             ).scalar_one()
         )
+
+
+def rows_in(engine: sa.Engine, table: sa.Table) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
 
 
 def insert(conn: sa.Connection, table: sa.Table, lease: Any) -> None:
@@ -291,7 +297,9 @@ def fail_transiently(conn: sa.Connection) -> None:
     starved server still cancels it rather than finishes it. MariaDB's
     statement timer runs on a thread of its own that a loaded machine can
     hold past a short sleep (a CI run once saw ``SLEEP(1)`` return), so the
-    statement interrupts itself, as that timer would (error 1317).
+    statement interrupts itself, as that timer would (error 1317). SQLite's
+    stand-in is a function that raises (not a missing table: that is a
+    refusal for good, which passes through as the task's own error).
     """
     if conn.dialect.name == "postgresql":
         conn.execute(sa.text("SET LOCAL statement_timeout = 1"))
@@ -299,7 +307,8 @@ def fail_transiently(conn: sa.Connection) -> None:
     elif conn.dialect.name in ("mysql", "mariadb"):
         conn.execute(sa.text("KILL QUERY CONNECTION_ID()"))
     else:
-        conn.execute(sa.text("SELECT * FROM a_table_that_is_not_there"))
+        conn.connection.driver_connection.create_function("fail", 0, lambda: 1 / 0)  # type: ignore[union-attr]
+        conn.execute(sa.text("SELECT fail()"))
 
 
 def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
@@ -346,6 +355,33 @@ def test_a_constraint_violation_is_the_task_s_own_failure(
     assert record.state is LeaseState.RELEASED
 
 
+def test_a_refusal_for_good_in_the_block_is_the_task_s_own_failure(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    """A statement of the task that can never succeed (a missing table; on
+    SQLite an ``OperationalError``, as missing rights are on MariaDB) fails
+    the task once: it is not an outage, and the job is not run again."""
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> None:
+        recorder.add("run", self.lease.generation)
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            tx.connection.execute(sa.text("SELECT * FROM a_table_that_is_not_there"))
+            tx.complete(None)
+
+    with worker(app):
+        result = bill.delay()
+        with pytest.raises(Exception, match="a_table_that_is_not_there"):
+            result.get(timeout=WAIT, propagate=True)
+    assert len(recorder.of("run")) == 1
+    assert recorder.of("lease_fenced_out") == []
+    assert rows_of(engine, effects, result.id) == 0
+    record = store_for(app).get(result.id)
+    assert record is not None
+    assert record.state is LeaseState.RELEASED
+
+
 def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
     app: Celery, sql_url: str, engine: sa.Engine, effects: sa.Table, recorder: Recorder
 ) -> None:
@@ -385,3 +421,95 @@ def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
     record = store_for(app).get(result.id)
     assert record is not None
     assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
+
+
+def test_a_session_writing_through_a_second_bind_is_refused(
+    app: Celery, engine: sa.Engine, unique: str, tmp_path: Path, recorder: Recorder
+) -> None:
+    """``Session(bind=store_db, binds={Invoice: other_db})``: the invoice
+    would commit on a connection of its own, apart from the completion (and
+    could fail alone). The block is refused before its completion, and
+    nothing is written on either database."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Ledger(Base):  # on the lease store's database
+        __tablename__ = f"ledger_{unique}"
+        id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+        job_id: Mapped[str] = mapped_column(sa.String(64))
+
+    class Invoice(Base):  # on another database
+        __tablename__ = f"invoices_{unique}"
+        id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+        job_id: Mapped[str] = mapped_column(sa.String(64))
+
+    other = sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    Ledger.__table__.create(engine)  # type: ignore[attr-defined]
+    Invoice.__table__.create(other)  # type: ignore[attr-defined]
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def bill(self: LeasedTask) -> str:
+        job_id = self.lease.job_id
+        with Session(bind=engine, binds={Invoice: other}) as session:
+            try:
+                with exactly_once(self, session) as tx:
+                    session.add(Ledger(job_id=job_id))
+                    session.add(Invoice(job_id=job_id))
+                    return tx.complete("billed")
+            except LeaseConfigurationError as error:
+                recorder.add("error", str(error))
+                return "refused"
+
+    try:
+        with worker(app):
+            result = bill.delay()
+            assert result.get(timeout=WAIT) == "refused"
+        ledger = rows_in(engine, Ledger.__table__)  # type: ignore[arg-type]
+        invoices = rows_in(other, Invoice.__table__)  # type: ignore[arg-type]
+    finally:
+        other.dispose()
+    [error] = recorder.of("error")
+    assert "second connection" in error
+    assert "other.db" in error
+    assert (ledger, invoices) == (0, 0)
+
+
+def test_a_session_whose_reconnect_is_refused_as_the_block_opens_runs_the_job_again(
+    app: Celery, sql_url: str, effects: sa.Table, engine: sa.Engine, recorder: Recorder
+) -> None:
+    """The session's pooled connection died, and the pre-ping's reconnect is
+    refused as the block opens: the run is fenced out and published again;
+    the next run, once connections pass, writes the one row."""
+    database = sa.make_url(sql_url)
+    if database.port is None:
+        pytest.skip("a refused connection needs a database over the network")
+    with Proxy("127.0.0.1", database.port) as proxy:
+        through = engine_for(
+            database.set(port=proxy.port).render_as_string(hide_password=False),
+            pool_pre_ping=True,
+        )
+        with through.connect():
+            pass  # pooled: the block's checkout pings it
+
+        @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
+        def bill(self: LeasedTask) -> int:
+            lease = self.lease
+            if recorder.of("refused"):
+                proxy.heal()
+            else:
+                recorder.add("refused", lease.generation)
+                proxy.refuse()  # cuts the pooled connection, refuses new ones
+            with Session(through) as session, exactly_once(self, session) as tx:
+                insert(tx.connection, effects, lease)
+                return tx.complete(lease.generation)
+
+        try:
+            with worker(app):
+                result = bill.delay()
+                generation = result.get(timeout=WAIT)
+        finally:
+            through.dispose()
+    assert generation > recorder.of("refused")[0]
+    assert rows_of(engine, effects, result.id) == 1
+    assert [e["reason"] for e in recorder.of("lease_fenced_out")] == ["unavailable"]
