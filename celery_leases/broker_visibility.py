@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -60,6 +59,7 @@ from celery_leases.broker_checks import (
     visibility_transport,
 )
 from celery_leases.lease import Lease
+from celery_leases.per_process import JobThread, ProcessLocal
 
 __all__ = [
     "CALL_TIMEOUT",
@@ -270,19 +270,20 @@ class _Watched:
 class Extender:
     """Extends the visibility of leased messages on a thread of its own.
 
-    :meth:`request` never waits: it notes the latest wish per lease and wakes
-    the thread, so a broker that hangs cannot hold whoever asked.
+    :meth:`request` never waits: it notes the latest wish per lease and
+    queues one pass over the wishes on a
+    :class:`~celery_leases.per_process.JobThread`, so a broker that hangs
+    cannot hold whoever asked.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
         self._watched: weakref.WeakKeyDictionary[Lease, _Watched] = weakref.WeakKeyDictionary()
         self._pending: dict[int, Lease] = {}
+        #: whether a pass over ``_pending`` is queued and not begun yet
+        self._pass_queued = False
         self._brokers: dict[int, _Broker] = {}
-        self._thread: threading.Thread | None = None
-        self.pid = os.getpid()
+        self._thread = JobThread("celery-leases-visibility")
         #: extensions applied, and tries that failed (for tests and operators)
         self.extended = 0
         self.failed = 0
@@ -307,13 +308,9 @@ class Extender:
             if lease not in self._watched:
                 return
             self._pending[id(lease)] = lease
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping.clear()
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-leases-visibility", daemon=True
-                )
-                self._thread.start()
-        self._wake.set()
+            queue_pass, self._pass_queued = not self._pass_queued, True
+        if queue_pass:
+            self._thread.submit(self._extend_pending)
 
     def forget(self, lease: Lease) -> None:
         """Extend ``lease``'s message no more (the run has ended)."""
@@ -324,29 +321,23 @@ class Extender:
     def stop(self, timeout: float = CALL_TIMEOUT * 2) -> None:
         """Stop the thread, wait for it and close the broker connections.
 
-        The next extension starts the thread again.
+        Extensions not begun are dropped; the next one starts the thread again.
         """
-        self._stopping.set()
-        self._wake.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        with self._lock:
+            self._pending.clear()
+        self._thread.stop(timeout)
         with self._lock:
             brokers = list(self._brokers.values())
         for broker in brokers:
             broker.close()
 
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stopping.is_set():
-                return
-            with self._lock:
-                pending = list(self._pending.values())
-                self._pending.clear()
-            for lease in pending:
-                self._extend(lease)
+    def _extend_pending(self) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._pass_queued = False
+        for lease in pending:
+            self._extend(lease)
 
     def _extend(self, lease: Lease) -> None:
         with self._lock:
@@ -372,24 +363,19 @@ class Extender:
             self.forget(lease)
 
 
-_process_lock = threading.Lock()
-_process_extender: Extender | None = None
+_extender: ProcessLocal[Extender] = ProcessLocal(Extender)
 _enabled_apps: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def process_extender() -> Extender:
     """This process's :class:`Extender`, made anew after a fork."""
-    global _process_extender
-    with _process_lock:
-        if _process_extender is None or _process_extender.pid != os.getpid():
-            _process_extender = Extender()
-        return _process_extender
+    return _extender.get()
 
 
 def stop() -> None:
     """Stop this process's extension thread, if it runs (``celery_leases.stop``)."""
-    extender = _process_extender
-    if extender is not None and extender.pid == os.getpid():
+    extender = _extender.made()
+    if extender is not None:
         extender.stop()
 
 
@@ -432,12 +418,3 @@ def enable(app: Any) -> None:
         signals.lease_fenced_out,
     ):
         signal.connect(_on_ended, weak=False, dispatch_uid=f"{uid}.{signal.name}")
-
-
-def _forget_after_fork() -> None:
-    global _process_lock, _process_extender
-    _process_lock = threading.Lock()
-    _process_extender = None
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)

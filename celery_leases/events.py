@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import queue
-import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from celery.signals import worker_init, worker_process_shutdown, worker_shutdown
+
+from celery_leases.per_process import JobThread, ProcessLocalByKey
 
 __all__ = [
     "LEASE_CLAIMED",
@@ -123,79 +122,51 @@ class _Event:
     fields: dict[str, Any]
 
 
-@dataclass
-class _Flush:
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-#: ends a sender's thread once everything queued before it went out
-_STOP: Any = object()
-
-
 class _Sender:
-    """One daemon thread per app and process that publishes queued events."""
+    """The job thread of one app and process that publishes queued events."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.pid = os.getpid()
-        self.queue: queue.Queue[Any] = queue.Queue(QUEUE_SIZE)
         self.dropped = 0
         #: publishes failed in a row; a broker that is down is logged once per 100
         self.failures = 0
         self._dispatchers: dict[str | None, Any] = {}
         self._connection: Any = None
-        self._thread = threading.Thread(target=self._run, name="celery-leases-events", daemon=True)
-        self._thread.start()
+        self._thread = JobThread("celery-leases-events", maxsize=QUEUE_SIZE, on_stop=self._reset)
 
     def put(self, event: _Event) -> None:
-        try:
-            self.queue.put_nowait(event)
-        except queue.Full:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 100 == 0:
-                logger.warning(
-                    "lease event queue is full (the broker may hang): dropped %d %s "
-                    "event(s) so far, last for task %s",
-                    self.dropped, event.type, event.task_id,
-                )  # fmt: skip
+        if self._thread.submit(self._send, event):
+            return
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 100 == 0:
+            logger.warning(
+                "lease event queue is full (the broker may hang): dropped %d %s "
+                "event(s) so far, last for task %s",
+                self.dropped, event.type, event.task_id,
+            )  # fmt: skip
 
     def flush(self, timeout: float) -> bool:
-        marker = _Flush()
-        try:
-            self.queue.put(marker, timeout=timeout)
-        except queue.Full:
-            return False
-        return marker.done.wait(timeout)
+        return self._thread.flush(timeout)
 
     def stop(self, timeout: float) -> None:
         """Send what is queued, then end the thread (waits up to ``timeout``)."""
-        with contextlib.suppress(queue.Full):
-            self.queue.put(_STOP, timeout=timeout)
-            self._thread.join(timeout)
+        self._thread.stop(timeout)
 
-    def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is _STOP:
-                self._reset()
-                return
-            if isinstance(item, _Flush):
-                item.done.set()
-                continue
-            try:
-                self._publish(item)
-            except Exception as exc:
-                self.failures += 1
-                if self.failures == 1 or self.failures % 100 == 0:
-                    logger.warning(
-                        "could not send the %s event for task %s (%d failed in a row): %r",
-                        item.type, item.task_id, self.failures, exc,
-                    )  # fmt: skip
-                self._reset()
-            else:
-                if self.failures:
-                    logger.info("lease events are sent again after %d failed", self.failures)
-                self.failures = 0
+    def _send(self, event: _Event) -> None:
+        try:
+            self._publish(event)
+        except Exception as exc:
+            self.failures += 1
+            if self.failures == 1 or self.failures % 100 == 0:
+                logger.warning(
+                    "could not send the %s event for task %s (%d failed in a row): %r",
+                    event.type, event.task_id, self.failures, exc,
+                )  # fmt: skip
+            self._reset()
+        else:
+            if self.failures:
+                logger.info("lease events are sent again after %d failed", self.failures)
+            self.failures = 0
 
     def _publish(self, event: _Event) -> None:
         dispatcher = self._dispatchers.get(event.hostname)
@@ -222,27 +193,8 @@ class _Sender:
         self._connection = None
 
 
-_senders: weakref.WeakKeyDictionary[Any, _Sender] = weakref.WeakKeyDictionary()
-_senders_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _senders_lock
-    # another thread may have held the lock at the fork: the child's copy
-    # would stay locked for good
-    _senders_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _sender(app: Any) -> _Sender:
-    with _senders_lock:
-        sender = _senders.get(app)
-        if sender is None or sender.pid != os.getpid():
-            # a forked child has the queue but not the thread
-            sender = _senders[app] = _Sender(app)
-        return sender
+#: one sender per app and process: a forked child has the queue but not the thread
+_senders: ProcessLocalByKey[Any, _Sender] = ProcessLocalByKey(_Sender)
 
 
 def emit(app: Any, type_: str, *, task_id: str | None, hostname: str | None, **fields: Any) -> None:
@@ -258,7 +210,7 @@ def emit(app: Any, type_: str, *, task_id: str | None, hostname: str | None, **f
     try:
         if not task_events_enabled(app):
             return
-        _sender(app).put(_Event(type_, task_id, hostname, fields))
+        _senders.get(app).put(_Event(type_, task_id, hostname, fields))
     except Exception:
         logger.warning("could not queue the %s event for task %s", type_, task_id, exc_info=True)
 
@@ -269,9 +221,7 @@ def flush(timeout: float = FLUSH_TIMEOUT) -> bool:
     Returns:
         True if every queue was emptied in time.
     """
-    with _senders_lock:
-        senders = [s for s in _senders.values() if s.pid == os.getpid()]
-    return all(sender.flush(timeout) for sender in senders)
+    return all(sender.flush(timeout) for sender in _senders.made())
 
 
 def stop(timeout: float = FLUSH_TIMEOUT) -> None:
@@ -279,11 +229,7 @@ def stop(timeout: float = FLUSH_TIMEOUT) -> None:
 
     The next event starts a sender again (see :func:`celery_leases.stop`).
     """
-    with _senders_lock:
-        senders = [s for s in _senders.values() if s.pid == os.getpid()]
-        for app in [a for a, s in _senders.items() if s in senders]:
-            del _senders[app]
-    for sender in senders:
+    for sender in _senders.forget_all():
         sender.stop(timeout)
 
 

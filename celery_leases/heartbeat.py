@@ -55,6 +55,7 @@ from celery_leases import unpatched
 from celery_leases.errors import LeaseLost, StoreUnavailable
 from celery_leases.lease import Lease
 from celery_leases.notify import notify, process_notifier
+from celery_leases.per_process import ProcessLocal
 from celery_leases.stores.base import LeaseStore, RenewRequest
 from celery_leases.stores.deadline import bounded
 
@@ -311,8 +312,7 @@ class Heartbeat:
             lease.mark_lost(error)
 
 
-_process_lock = unpatched.lock()
-_process_heartbeat: Heartbeat | None = None
+_heartbeat: ProcessLocal[Heartbeat] = ProcessLocal(Heartbeat)
 
 
 def process_heartbeat() -> Heartbeat:
@@ -321,20 +321,4 @@ def process_heartbeat() -> Heartbeat:
     A forked pool child inherits the parent's object but not its thread,
     nor the right to renew the parent's leases.
     """
-    global _process_heartbeat
-    heartbeat = _process_heartbeat  # the common case, without the lock
-    if heartbeat is not None and heartbeat.pid == os.getpid():
-        return heartbeat
-    with _process_lock:
-        if _process_heartbeat is None or _process_heartbeat.pid != os.getpid():
-            _process_heartbeat = Heartbeat()
-        return _process_heartbeat
-
-
-def _forget_after_fork() -> None:
-    global _process_heartbeat, _process_lock
-    _process_lock = unpatched.lock()
-    _process_heartbeat = None
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    return _heartbeat.get()

@@ -12,6 +12,8 @@ import os
 import secrets
 import socket
 
+from celery_leases.per_process import ProcessLocal
+
 __all__ = ["make_owner"]
 
 
@@ -23,23 +25,14 @@ def make_owner() -> str:
     tokens, or a stale child would pass the owner check); the count tells
     the claims of one process apart without a random draw each.
     """
-    state = _owner_prefix.state
-    if state[0] != os.getpid():  # a fork that ran no at-fork hooks
-        state = _owner_prefix.reset()
-    return f"{state[1]}{next(state[2])}"
+    prefix, count = _prefix.get()
+    return f"{prefix}{next(count)}"
 
 
-class _OwnerPrefix:
-    """This process's (pid, prefix, count), replaced as one tuple: a thread
-    never sees a new pid with the old prefix."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> tuple[int, str, itertools.count[int]]:
-        pid = os.getpid()
-        self.state = (pid, f"{_hostname()}:{pid}:{secrets.token_hex(8)}-", itertools.count(1))
-        return self.state
+def _new_prefix() -> tuple[str, itertools.count[int]]:
+    """This process's prefix and count, made as one tuple: a thread never
+    sees a new prefix with the old count."""
+    return f"{_hostname()}:{os.getpid()}:{secrets.token_hex(8)}-", itertools.count(1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,5 +40,4 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
-_owner_prefix = _OwnerPrefix()
-os.register_at_fork(after_in_child=_owner_prefix.reset)  # the common case, before any thread
+_prefix: ProcessLocal[tuple[str, itertools.count[int]]] = ProcessLocal(_new_prefix)

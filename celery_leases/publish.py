@@ -35,6 +35,7 @@ from celery.exceptions import Reject
 from kombu.serialization import registry
 
 from celery_leases import signals
+from celery_leases.backoff import backoff_delays
 from celery_leases.broker_checks import countdown_cap
 from celery_leases.lease import Lease
 from celery_leases.request import CONTENT_TYPE_KEY
@@ -118,7 +119,7 @@ def publish_again(
     signature = task.signature_from_request(
         request, args, kwargs, queue=route.get("queue"), **options
     )
-    wait, waited = FIRST_PUBLISH_RETRY, 0.0
+    waits, waited = backoff_delays(FIRST_PUBLISH_RETRY), 0.0
     while True:
         try:
             with _outside_task_context(), keeping_send_id(send_id):
@@ -132,14 +133,13 @@ def publish_again(
                     task.name, request.id, job_id, exc, waited,
                 )  # fmt: skip
                 raise Reject(exc, requeue=True) from exc
-            wait = min(wait, retry_for - waited)
+            wait = min(next(waits), retry_for - waited)
             logger.warning(
                 "task %s[%s]: could not publish job %r again (%r); trying again in %.1f s",
                 task.name, request.id, job_id, exc, wait,
             )  # fmt: skip
             time.sleep(wait)
             waited += wait
-            wait *= 2
     signals.duplicate_deferred.send(
         sender=task, lease=lease, job_id=job_id, reason=reason, countdown=countdown,
         deferrals=deferrals, holder=holder,

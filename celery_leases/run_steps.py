@@ -9,7 +9,6 @@ call them; each takes the running task as its first argument.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Any, NoReturn
 
@@ -17,6 +16,7 @@ from celery.exceptions import Ignore
 from celery.states import READY_STATES
 
 from celery_leases import observe, signals
+from celery_leases.backoff import backoff_delay, backoff_delays
 from celery_leases.errors import (
     LeaseError,
     LeaseHeld,
@@ -96,7 +96,7 @@ def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult |
         The store's answer (a refusal that names this run as the job's
         completer is :class:`Completed`), or None when the outcome is unknown.
     """
-    delay = 0.05
+    delays = backoff_delays(0.05, cap=1.0)
     while True:
         try:
             with bounded(lease.remaining()):
@@ -104,10 +104,10 @@ def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult |
                     lease.job_id, lease.owner, lease.generation, outcome=outcome
                 )
         except StoreUnavailable as exc:
+            delay = next(delays)
             if lease.remaining() <= delay:
                 return _settle_completion(task, lease, exc)
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
             continue
         if isinstance(result, Completed):
             lease.finish()
@@ -291,8 +291,9 @@ def defer_unavailable(
     if request.is_eager or request.called_directly:
         raise exc
     settings = settings_for(task._get_app())
-    backoff = settings.defer_backoff * 2 ** min(deferrals_of(request), 30)
-    countdown = min(backoff * random.uniform(1.0, 1.2), defer_max)
+    countdown = backoff_delay(
+        settings.defer_backoff, deferrals_of(request), cap=defer_max, jitter=0.2
+    )
     logger.warning(
         "task %s[%s]: lease store unavailable at claim (%s); deferring %.1f s (deferral %d)",
         task.name, request.id, exc, countdown, deferrals_of(request) + 1,

@@ -31,6 +31,7 @@ from celery_leases.errors import LeaseLost, StoreUnavailable
 from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease
 from celery_leases.notify import process_notifier
+from celery_leases.per_process import ProcessLocalByKey
 from celery_leases.settings import LeaseSettings, LeaseTiming, OnLost
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import Released
@@ -71,30 +72,21 @@ class TaskOptions:
 @dataclass
 class _Runtime:
     settings: LeaseSettings
-    pid: int
     store: LeaseStore | None = None
     #: resolved once per task name, so a run does not validate them again
     options: dict[str, TaskOptions] = field(default_factory=dict)
 
 
-_runtimes: weakref.WeakKeyDictionary[Any, _Runtime] = weakref.WeakKeyDictionary()
+#: each app's runtime in this process: a forked child must not share the
+#: parent's sockets
+_runtimes: ProcessLocalByKey[Any, _Runtime] = ProcessLocalByKey(
+    lambda app: _Runtime(LeaseSettings.from_conf(app.conf))
+)
 _lock = threading.Lock()
 _prefork_child_pid: int | None = None
 #: called with every app a leased task is bound to (the worker's ``install``)
 _bind_hooks: list[Callable[[Any], None]] = []
 _bound_apps: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _runtime(app: Any) -> _Runtime:
-    runtime = _runtimes.get(app)  # the common case, without the lock
-    if runtime is not None and runtime.pid == os.getpid():
-        return runtime
-    with _lock:
-        runtime = _runtimes.get(app)
-        if runtime is None or runtime.pid != os.getpid():
-            runtime = _Runtime(LeaseSettings.from_conf(app.conf), os.getpid())
-            _runtimes[app] = runtime
-        return runtime
 
 
 def settings_for(app: Any) -> LeaseSettings:
@@ -103,7 +95,7 @@ def settings_for(app: Any) -> LeaseSettings:
     Raises:
         LeaseConfigurationError: a ``leases_*`` setting is missing or invalid.
     """
-    return _runtime(app).settings
+    return _runtimes.get(app).settings
 
 
 def store_for(app: Any) -> LeaseStore:
@@ -114,7 +106,7 @@ def store_for(app: Any) -> LeaseStore:
             store creates its table on first use).
         LeaseConfigurationError: the URL or options are wrong.
     """
-    runtime = _runtime(app)
+    runtime = _runtimes.get(app)
     store = runtime.store  # the common case, without the lock
     if store is not None:
         return store
@@ -128,7 +120,7 @@ def store_for(app: Any) -> LeaseStore:
 
 def task_options(app: Any, name: str, resolve: Any) -> TaskOptions:
     """The options of task ``name``, made by ``resolve()`` on first use per process."""
-    runtime = _runtime(app)
+    runtime = _runtimes.get(app)
     options = runtime.options.get(name)
     if options is None:
         options = resolve()
@@ -138,9 +130,8 @@ def task_options(app: Any, name: str, resolve: Any) -> TaskOptions:
 
 def forget_runtime(app: Any) -> None:
     """Drop the cached settings and store of ``app`` (after a config change)."""
-    with _lock:
-        runtime = _runtimes.pop(app, None)
-    if runtime is not None and runtime.store is not None and runtime.pid == os.getpid():
+    runtime = _runtimes.forget(app)
+    if runtime is not None and runtime.store is not None:
         runtime.store.close()
 
 

@@ -255,7 +255,7 @@ def test_a_hanging_broker_never_blocks_whoever_sends_an_event(
             thread.join(timeout=WAIT)
             assert sent.is_set(), "emit blocked on a hanging broker"
             # the sender thread holds one in its stuck publish; the queue took 1000 more
-            assert events._senders[app].dropped >= 19
+            assert events._senders.get(app).dropped >= 19
             assert not events.flush(0.2)
         finally:
             server.proc.send_signal(signal.SIGCONT)
@@ -319,4 +319,4 @@ def test_a_broker_that_is_down_is_logged_once_not_per_event(
             log.level, log.disabled = saved
         failures = [r for r in handler.records if "could not send" in r.getMessage()]
         assert len(failures) == 1
-        assert events._senders[app].failures == 3
+        assert events._senders.get(app).failures == 3
