@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 from redis.client import NEVER_DECODE
+from redis.commands.core import Script
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -40,7 +41,7 @@ from celery_leases.stores.base import (
     unreadable,
 )
 
-__all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result"]
+__all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result", "run_script"]
 
 #: the options of a command whose reply is read as bytes even on a client
 #: that decodes responses: a record's outcome is the task's serialized
@@ -71,6 +72,44 @@ def evalsha(client: Any, sha: str, *keys_and_args: Any) -> Any:
     if _decodes(client):
         return raw_command(client, "EVALSHA", sha, *keys_and_args)
     return client.evalsha(sha, *keys_and_args)
+
+
+def run_script(client: Any, script: Script, key: str, *args: Any) -> Any:
+    """Run ``script`` on ``key`` through ``client``: :func:`evalsha`, and
+    after a NOSCRIPT reply ``SCRIPT LOAD`` and :func:`evalsha` once more, as
+    redis-py's own ``Script.__call__`` does.
+
+    A NOSCRIPT reply means the script did not run (the server's script cache
+    was flushed, or this is another server), so sending it again cannot
+    apply it twice.
+    """
+    try:
+        return evalsha(client, script.sha, 1, key, *args)
+    except NoScriptError:
+        client.script_load(script.script)
+        return evalsha(client, script.sha, 1, key, *args)
+    except RedisError:
+        raise  # an error reply was read whole, or redis-py closed the connection
+    except BaseException:
+        # Interrupted after the script was sent (a signal handler, a green
+        # timeout, Ctrl-C): redis-py gives the connection back to its pool
+        # with the reply unread, and a reply that arrives after the pool's
+        # next look at it would be read as another call's.
+        _close_idle_connections(client)
+        raise
+
+
+def _close_idle_connections(client: Any) -> None:
+    """Disconnect the connections that ``client``'s pool holds unused."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return  # a cluster client: a pool per node, none of them named here
+    try:
+        pool.disconnect(inuse_connections=False)
+    except TypeError:
+        # redis-py 5.0's BlockingConnectionPool can only close every
+        # connection, also those in the middle of another call: leave them
+        return
 
 
 def _describe(client: redis.Redis) -> str:
