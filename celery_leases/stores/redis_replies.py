@@ -84,10 +84,11 @@ def run_script(client: Any, script: Script, key: str, *args: Any) -> Any:
     apply it twice.
     """
     try:
-        return evalsha(client, script.sha, 1, key, *args)
-    except NoScriptError:
-        client.script_load(script.script)
-        return evalsha(client, script.sha, 1, key, *args)
+        try:
+            return evalsha(client, script.sha, 1, key, *args)
+        except NoScriptError:
+            client.script_load(script.script)
+            return evalsha(client, script.sha, 1, key, *args)
     except RedisError:
         raise  # an error reply was read whole, or redis-py closed the connection
     except BaseException:
