@@ -55,6 +55,21 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30
     raise RuntimeError(f"server on port {port} did not start within {timeout} s")
 
 
+def _wait_until_loaded(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Wait until the redis-server on ``port`` has loaded its files: it
+    accepts connections before that and answers every command ``LOADING``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 5) as sock:
+            sock.sendall(b"PING\r\n")
+            if not sock.recv(256).startswith(b"-LOADING"):
+                return
+        time.sleep(0.01)
+    raise RuntimeError(f"server on port {port} did not load its files within {timeout} s")
+
+
 class _ServerProcess(abc.ABC):
     """A server run as a child process of the tests: stopped, killed and
     started again by its own pid."""
@@ -146,6 +161,7 @@ class RedisServer(_ServerProcess):
             env={**os.environ, **self.env},
         )
         _wait_for_port(self.port, self.proc)
+        _wait_until_loaded(self.port, self.proc)
 
     def copy_files(self) -> Path:
         """A copy of the data folder as it is now (AOF and RDB files).

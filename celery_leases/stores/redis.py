@@ -5,10 +5,12 @@ Each job's record is a Redis hash at ``{prefix}{{{job_id}}}`` (for example
 puts the whole record in one slot. The hash never gets a TTL: its
 generation must outlive anything that expires keys.
 
-Every operation is one Lua script, run with EVALSHA (loaded again after a
-NOSCRIPT). Time inside a script comes from ``TIME`` on the server, so every
-comparison uses the store's clock. ``docs/redis.md`` lists the keys, the
-scripts and what Redis must be configured with to keep invariant I1.
+Every operation is one Lua script, registered with redis-py's
+``register_script`` and run with EVALSHA through the client's connection
+pool (loaded again after a NOSCRIPT). Time inside a script comes from
+``TIME`` on the server, so every comparison uses the store's clock.
+``docs/redis.md`` lists the keys, the scripts and what Redis must be
+configured with to keep invariant I1.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.commands.core import Script
+from redis.exceptions import ResponseError
 from redis.sentinel import Sentinel
 
 from celery_leases.errors import (
@@ -54,7 +57,6 @@ from celery_leases.stores.redis_connections import (
     renewal_client,
     renews_outside_the_hub,
 )
-from celery_leases.stores.redis_direct import DirectCalls
 from celery_leases.stores.redis_errors import DriverErrors
 from celery_leases.stores.redis_operator_scripts import FORCE_RELEASE_SCRIPT, PURGE_ONE_SCRIPT
 from celery_leases.stores.redis_replies import (
@@ -63,12 +65,11 @@ from celery_leases.stores.redis_replies import (
     _fields,
     _record,
     _text,
-    evalsha,
     fenced_reply,
     raw_command,
     renew_result,
+    run_script,
 )
-from celery_leases.stores.redis_scripts import Script
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT",
@@ -128,16 +129,18 @@ class RedisStore(RedisBatches, LeaseStore):
         #: the sentinels a sentinel:// URL named, closed with the store
         self._sentinel: Sentinel | None = None
         self._renews_outside_the_hub = renews_outside_the_hub(self._renew_client)
-        #: nothing is sent directly on a client the store was given
-        self._direct = DirectCalls()
-        self._claim_script = Script(scripts.CLAIM_SCRIPT)
-        self._renew_script = Script(scripts.RENEW_SCRIPT)
-        self._renew_many_script = Script(scripts.RENEW_MANY_SCRIPT)
+        #: the connection pools the store made, disconnected when it closes
+        self._own_pools: list[redis.ConnectionPool] = (
+            [] if renew_client is not None else [self._renew_client.connection_pool]
+        )
+        self._claim_script = client.register_script(scripts.CLAIM_SCRIPT)
+        self._renew_script = client.register_script(scripts.RENEW_SCRIPT)
+        self._renew_many_script = client.register_script(scripts.RENEW_MANY_SCRIPT)
         self._renew_many_compiles = True
-        self._complete_script = Script(scripts.COMPLETE_SCRIPT)
-        self._release_script = Script(scripts.RELEASE_SCRIPT)
-        self._force_release_script = Script(FORCE_RELEASE_SCRIPT)
-        self._purge_one_script = Script(PURGE_ONE_SCRIPT)
+        self._complete_script = client.register_script(scripts.COMPLETE_SCRIPT)
+        self._release_script = client.register_script(scripts.RELEASE_SCRIPT)
+        self._force_release_script = client.register_script(FORCE_RELEASE_SCRIPT)
+        self._purge_one_script = client.register_script(PURGE_ONE_SCRIPT)
         self._config_pending = check_config
         if check_config:
             self._check_config(client)
@@ -175,15 +178,11 @@ class RedisStore(RedisBatches, LeaseStore):
         """
         renew_connections = check_renew_connections(renew_connections)
         client, sentinel, shown = open_client(url, client_options(client_options_))
-        store = cls(
-            client,
-            prefix=prefix,
-            check_config=False,
-            renew_client=renewal_client(client, renew_connections),
-        )
+        renew_client = renewal_client(client, renew_connections)
+        store = cls(client, prefix=prefix, check_config=False, renew_client=renew_client)
         store.url = shown
         store._sentinel = sentinel
-        store._direct = DirectCalls(client)  # the store's own client
+        store._own_pools = [client.connection_pool, renew_client.connection_pool]
         store._config_pending = check_config
         if check_config:
             store._check_config(client)
@@ -195,13 +194,17 @@ class RedisStore(RedisBatches, LeaseStore):
         return self._renews_outside_the_hub
 
     def close(self) -> None:
-        """Close the clients and their connection pools (and the sentinels')."""
-        self._direct.give_back()
+        """Close the clients, the connection pools the store made, and the sentinels'
+        connections."""
         self._client.close()
         if self._renew_client is not self._client:
             self._renew_client.close()
+        for pool in self._own_pools:
+            pool.disconnect()
         if self._sentinel is not None:
-            self._sentinel.close()
+            for sentinel in self._sentinel.sentinels:
+                sentinel.close()
+                sentinel.connection_pool.disconnect()
 
     def key(self, job_id: str) -> str:
         """The Redis key of ``job_id``'s record."""
@@ -224,42 +227,14 @@ class RedisStore(RedisBatches, LeaseStore):
 
     def _check_config(self, client: redis.Redis) -> None:
         """Warn when the server can lose lease records; see :class:`RedisStore`."""
-        if client is self._client:
-            client = self._shared_client()
         if config_warnings(client, self.url):
             self._config_pending = False
-
-    def _shared_client(self) -> redis.Redis:
-        """The task client, for a command that is not a script: the
-        connections the scripts keep go back to its pool first, so the
-        command finds one even in a pool of one."""
-        self._direct.give_back()
-        return self._client
 
     # -- scripts -------------------------------------------------------------
 
     def _eval(self, script: Script, key: str, *args: Any) -> Any:
-        """Run ``script`` on ``key`` with EVALSHA, loading it after a NOSCRIPT.
-
-        A NOSCRIPT reply means the script did not run (the server's script
-        cache was flushed, or this is another server), so sending it again
-        cannot apply it twice. On a plain client the script goes out on a
-        connection the store keeps (:mod:`~celery_leases.stores.redis_direct`).
-        """
-        direct = self._direct
-        if direct.usable:
-            try:
-                return direct.command("EVALSHA", script.sha, 1, key, *args)
-            except NoScriptError:
-                script.sha = _text(direct.command("SCRIPT", "LOAD", script.source))
-                return direct.command("EVALSHA", script.sha, 1, key, *args)
-        direct.give_back()  # kept while the direct path was usable
-        client = self._client
-        try:
-            return evalsha(client, script.sha, 1, key, *args)
-        except NoScriptError:
-            script.sha = _text(client.script_load(script.source))
-            return evalsha(client, script.sha, 1, key, *args)
+        """Run ``script`` on ``key`` on the task client (see :func:`run_script`)."""
+        return run_script(self._client, script, key, *args)
 
     # -- backend hooks ---------------------------------------------------------
 
@@ -342,7 +317,7 @@ class RedisStore(RedisBatches, LeaseStore):
         with self._errors("get", job_id):
             key = self.key(job_id)
             try:
-                fields = raw_command(self._shared_client(), "HGETALL", key)
+                fields = raw_command(self._client, "HGETALL", key)
             except ResponseError as exc:
                 if not str(exc).startswith("WRONGTYPE"):
                     raise
@@ -357,7 +332,7 @@ class RedisStore(RedisBatches, LeaseStore):
         seen: set[str] = set()
         cursor = 0
         while True:
-            next_cursor, keys = self._shared_client().scan(cursor, match=pattern, count=SCAN_BATCH)
+            next_cursor, keys = self._client.scan(cursor, match=pattern, count=SCAN_BATCH)
             cursor = int(next_cursor)
             batch = [k for k in (_text(key) for key in keys) if k not in seen]
             seen.update(batch)
@@ -372,7 +347,7 @@ class RedisStore(RedisBatches, LeaseStore):
     def _records(self, state: LeaseState | None) -> Iterator[LeaseRecord | LeaseRecordUnreadable]:
         with self._errors("records"):
             for keys in self._scan_keys():
-                pipe = self._shared_client().pipeline(transaction=False)
+                pipe = self._client.pipeline(transaction=False)
                 for key in keys:
                     raw_command(pipe, "HGETALL", key)
                 for key, fields in zip(keys, pipe.execute(raise_on_error=False), strict=True):
@@ -392,11 +367,11 @@ class RedisStore(RedisBatches, LeaseStore):
             deleted = 0
             for keys in self._scan_keys():
                 calls: list[Call] = [((key,), (older_than_ms,)) for key in keys]
-                replies = self._run_batch(self._shared_client(), self._purge_one_script, calls)
+                replies = self._run_batch(self._client, self._purge_one_script, calls)
                 deleted += sum(int(r) for r in replies)
             return deleted
 
     def _now_ms(self) -> int:
         with self._errors("now_ms"):
-            seconds, microseconds = self._shared_client().time()
+            seconds, microseconds = self._client.time()
             return int(seconds) * 1000 + int(microseconds) // 1000

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.commands.core import Script
 from redis.exceptions import (
     AskError,
     ClusterCrossSlotError,
@@ -34,8 +35,7 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
-from celery_leases.stores.redis_replies import _text, evalsha, renew_result
-from celery_leases.stores.redis_scripts import Script
+from celery_leases.stores.redis_replies import evalsha, renew_result
 
 __all__ = ["RENEW_CHUNK", "Call", "RedisBatches"]
 
@@ -101,7 +101,7 @@ class RedisBatches:
         replies = self._send_batch(client, script.sha, calls, single)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            script.sha = _text(client.script_load(script.source))
+            client.script_load(script.script)
             again = self._send_batch(client, script.sha, [calls[i] for i in missing], single)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply

@@ -22,15 +22,21 @@ from celery_leases.stores.redis_replies import _permanent
 
 __all__ = ["DriverErrors", "pool_exhausted", "raise_wrapped"]
 
-#: What redis-py's BlockingConnectionPool raises when no connection came free in time.
-_NO_CONNECTION = "No connection available."
+#: What redis-py's pools say, as a ConnectionError, when every connection is
+#: in use: a BlockingConnectionPool when none came free in time, and a
+#: ConnectionPool before redis-py raised MaxConnectionsError for it (5.0)
+_NO_CONNECTION = ("No connection available.", "Too many connections")
 
 
 def pool_exhausted(exc: BaseException) -> bool:
-    """Whether ``exc`` says every connection of a client's pool was in use."""
-    return isinstance(exc, MaxConnectionsError) or (
-        isinstance(exc, redis.exceptions.ConnectionError) and str(exc) == _NO_CONNECTION
-    )
+    """Whether ``exc`` says every connection of a client's pool was in use
+    (also as redis-py 5.0's cluster client says it: it cannot connect to
+    the cluster again, for "Too many connections")."""
+    if isinstance(exc, MaxConnectionsError):
+        return True
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return str(exc) in _NO_CONNECTION
+    return isinstance(exc, RedisClusterException) and str(exc).endswith(f": {_NO_CONNECTION[1]}")
 
 
 def raise_wrapped(

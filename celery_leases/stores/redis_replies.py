@@ -9,12 +9,14 @@ of a server for messages.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
 from redis.client import NEVER_DECODE
+from redis.commands.core import Script
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -39,8 +41,9 @@ from celery_leases.stores.base import (
     refusal_for,
     unreadable,
 )
+from celery_leases.stores.deadline import time_left
 
-__all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result"]
+__all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result", "run_script"]
 
 #: the options of a command whose reply is read as bytes even on a client
 #: that decodes responses: a record's outcome is the task's serialized
@@ -71,6 +74,85 @@ def evalsha(client: Any, sha: str, *keys_and_args: Any) -> Any:
     if _decodes(client):
         return raw_command(client, "EVALSHA", sha, *keys_and_args)
     return client.evalsha(sha, *keys_and_args)
+
+
+def run_script(client: Any, script: Script, key: str, *args: Any) -> Any:
+    """Run ``script`` on ``key`` through ``client``: :func:`evalsha`, and
+    after a NOSCRIPT reply ``SCRIPT LOAD`` and :func:`evalsha` once more, as
+    redis-py's own ``Script.__call__`` does.
+
+    A NOSCRIPT reply means the script did not run (the server's script cache
+    was flushed, or this is another server), so sending it again cannot
+    apply it twice. Inside :func:`~celery_leases.stores.deadline.bounded`
+    (a completion or a release, bounded by its lease's remaining time) the
+    wait for the reply ends at that deadline, not only at the socket timeout.
+    """
+    send = evalsha
+    left = time_left()
+    pool = getattr(client, "connection_pool", None)
+    if left is not None and pool is not None:
+        send = functools.partial(_evalsha_within, pool, left)
+    try:
+        try:
+            return send(client, script.sha, 1, key, *args)
+        except NoScriptError:
+            client.script_load(script.script)
+            return send(client, script.sha, 1, key, *args)
+    except RedisError:
+        raise  # an error reply was read whole, or redis-py closed the connection
+    except BaseException:
+        # Interrupted after the script was sent (a signal handler, a green
+        # timeout, Ctrl-C): redis-py gives the connection back to its pool
+        # with the reply unread, and a reply that arrives after the pool's
+        # next look at it would be read as another call's.
+        _close_idle_connections(client)
+        raise
+
+
+def _evalsha_within(pool: Any, left: float, client: Any, sha: str, *keys_and_args: Any) -> Any:
+    """:func:`evalsha` on a connection of ``pool`` that waits at most
+    ``left`` seconds for the reply's first bytes (``can_read``), through
+    redis-py's public connection API. A connection whose reply did not come
+    in time is dropped, so a late reply is never read as another call's."""
+    conn = _checkout(pool)
+    try:
+        conn.send_command("EVALSHA", sha, *keys_and_args)
+        if not conn.can_read(timeout=left):
+            raise redis.TimeoutError(
+                f"no reply from the store within {left:.3g} s, the time its caller had left"
+            )
+        reply = conn.read_response(disable_decoding=True)
+    except ResponseError:
+        pool.release(conn)  # the whole error reply was read: ready for the next call
+        raise
+    except BaseException:
+        conn.disconnect()
+        pool.release(conn)
+        raise
+    pool.release(conn)
+    return reply
+
+
+def _checkout(pool: Any) -> Any:
+    """A connection of ``pool``: redis-py 5.0 names the command it is for,
+    later releases take no argument (and warn when given one)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("EVALSHA")
+
+
+def _close_idle_connections(client: Any) -> None:
+    """Disconnect the connections that ``client``'s pool holds unused."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return  # a cluster client: a pool per node, none of them named here
+    try:
+        pool.disconnect(inuse_connections=False)
+    except TypeError:
+        # redis-py 5.0's BlockingConnectionPool can only close every
+        # connection, also those in the middle of another call: leave them
+        return
 
 
 def _describe(client: redis.Redis) -> str:

@@ -19,8 +19,6 @@ Reply codes of renew, complete and release (the fenced scripts):
 
 from __future__ import annotations
 
-import hashlib
-
 __all__ = [
     "CLAIM_SCRIPT",
     "COMPLETE_SCRIPT",
@@ -339,18 +337,3 @@ return 1
 DONE, MISSING, REFUSED, UNREADABLE = 1, 0, 2, 3
 #: reply codes of the claim
 ACQUIRED, HELD_ELSEWHERE, ALREADY_COMPLETED, CLAIM_UNREADABLE = 1, 2, 3, 4
-
-
-class Script:
-    """A Lua script and the SHA1 that EVALSHA names it by.
-
-    The store calls ``client.evalsha`` itself rather than through redis-py's
-    ``Script``, whose per-call work (copying keys and arguments into new
-    tuples, an import, a type check) is a tenth of a claim's Python time.
-    """
-
-    __slots__ = ("sha", "source")
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()

@@ -22,6 +22,7 @@ import redis
 from celery_leases import Acquired, LeaseStore, Renewed, RenewRequest, StoreUnavailable, open_store
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.redis import RedisStore
+from tests.integration.test_redis_connections import checkout
 from tests.proxy import Proxy
 from tests.servers import RedisCluster, RedisServer, SentinelGroup
 
@@ -123,7 +124,7 @@ def test_a_full_renewal_pool_names_its_own_option(redis_server: RedisServer, uni
     store = RedisStore.from_url(redis_server.url, prefix=f"p{unique}:", renew_connections=1)
     try:
         requests = _claim_all(store, 2)
-        held = store._renew_client.connection_pool.get_connection()
+        held = checkout(store._renew_client.connection_pool)
         try:
             with pytest.raises(StoreUnavailable) as caught:
                 store.renew_many(requests)
@@ -197,8 +198,7 @@ def _holding_every_task_connection(store: RedisStore) -> Iterator[None]:
         pools = [node.redis_connection.connection_pool for node in client.get_nodes()]
     else:
         pools = [client.connection_pool]
-    store._direct.give_back()  # those tasks hold them, not the store between calls
-    held = [(pool, pool.get_connection()) for pool in pools for _ in range(pool.max_connections)]
+    held = [(pool, checkout(pool)) for pool in pools for _ in range(pool.max_connections)]
     try:
         yield
     finally:

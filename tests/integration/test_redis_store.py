@@ -36,7 +36,7 @@ from celery_leases import (
 from celery_leases.stores import redis_batches
 from celery_leases.stores.base import Refusal
 from celery_leases.stores.redis import RedisConfigWarning, RedisStore
-from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT, Script
+from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT
 from tests.conftest import serve
 from tests.operations import every_operation
 from tests.servers import RedisServer, free_port
@@ -325,7 +325,7 @@ def test_a_server_that_cannot_compile_the_batch_script_renews_lease_by_lease(
     held = [redis_store.claim(f"job-{i}", "worker-a", 30) for i in range(5)]
     requests = [RenewRequest(h.job_id, "worker-a", h.generation, 40) for h in held]  # type: ignore[union-attr]
     requests[2] = RenewRequest("job-2", "worker-a", 1, 40)  # stale
-    redis_store._renew_many_script = Script(" " + RENEW_MANY_SCRIPT)
+    redis_store._renew_many_script = raw.register_script(" " + RENEW_MANY_SCRIPT)
     for _ in range(2):
         before = commandstats(raw)
         results = redis_store.renew_many(requests)
