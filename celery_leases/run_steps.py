@@ -26,7 +26,7 @@ from celery_leases.errors import (
 )
 from celery_leases.lease import Lease
 from celery_leases.outcome import decode, encode_value
-from celery_leases.publish import deferrals_of, publish_again
+from celery_leases.publish import capped_countdown, deferrals_of, publish_again
 from celery_leases.runtime import TaskOptions, settings_for
 from celery_leases.stores.base import (
     AlreadyCompleted,
@@ -292,7 +292,8 @@ def defer_unavailable(
         raise exc
     settings = settings_for(task._get_app())
     backoff = settings.defer_backoff * 2 ** min(deferrals_of(request), 30)
-    countdown = min(backoff * random.uniform(1.0, 1.2), defer_max)
+    # capped here too, so the log says how long the copy really waits
+    countdown = capped_countdown(task, min(backoff * random.uniform(1.0, 1.2), defer_max))
     logger.warning(
         "task %s[%s]: lease store unavailable at claim (%s); deferring %.1f s (deferral %d)",
         task.name, request.id, exc, countdown, deferrals_of(request) + 1,
