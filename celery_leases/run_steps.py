@@ -150,9 +150,12 @@ def release(task: Any, lease: Lease, reason: str) -> bool:
     """Give the lease up, fenced; False if the store refused (this run is stale).
 
     The store is not waited for past the lease's local deadline: a release
-    that has no answer by then leaves the lease to run out.
+    that has no answer by then leaves the lease to run out. A lease already
+    lost (a body that raised ``Ignore`` or ``Reject`` after its deadline)
+    waits the drift margin instead, as :func:`release_after_loss` does: the
+    store may still name this run, and the release frees the job at once.
     """
-    result = _give_up(task, lease, reason)
+    result = _give_up(task, lease, reason, after_loss=lease.lost)
     if isinstance(result, Refusal):
         lease.mark_lost(result.error("release"))
         return False
