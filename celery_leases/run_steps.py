@@ -295,11 +295,10 @@ def defer_unavailable(
         raise exc
     settings = settings_for(task._get_app())
     backoff = settings.defer_backoff * 2 ** min(deferrals_of(request), 30)
-    # capped here too, so the log says how long the copy really waits
-    countdown = capped_countdown(task, min(backoff * random.uniform(1.0, 1.2), defer_max))
+    countdown = min(backoff * random.uniform(1.0, 1.2), defer_max)
     logger.warning(
         "task %s[%s]: lease store unavailable at claim (%s); deferring %.1f s (deferral %d)",
-        task.name, request.id, exc, countdown, deferrals_of(request) + 1,
+        task.name, request.id, exc, capped_countdown(task, countdown), deferrals_of(request) + 1,
     )  # fmt: skip
     publish_again(
         task, request, args, kwargs, job_id=job_id, reason="store-unavailable",
