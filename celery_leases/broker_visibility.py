@@ -189,24 +189,31 @@ def read_queue_visibility(app: Any) -> list[str]:
     attribute, and that is what SQS uses. What is read is noted
     (:func:`~celery_leases.broker_checks.note_queue_visibility`), so the
     start checks and the deferral cap use the shortest. A queue that does
-    not exist yet is created by kombu with the option. Nothing is read on
-    other brokers. Each call waits at most :data:`CALL_TIMEOUT` seconds.
+    not exist yet is created by kombu with the option, unless
+    ``sqs-creation-attributes`` names a ``VisibilityTimeout`` of its own:
+    the queue gets that one, and it counts as the queue's. Nothing is read
+    on other brokers. Each call waits at most :data:`CALL_TIMEOUT` seconds.
 
     Returns:
-        Warnings: a queue whose attribute is below the option, or queues
-        that could not be read (the checks then use the option).
+        Warnings: a queue whose attribute (or the one it will be created
+        with) is below the option, or queues that could not be read (the
+        checks then use the option).
     """
     if visibility_transport(app) != "sqs":
         return []
     configured = configured_visibility_timeout(app) or 0.0
     broker = _Broker(app, "sqs")
+    created = _creation_visibility(app)
     found: dict[str, float] = {}
+    to_create: dict[str, float] = {}
     try:
         channel = broker.open()
         for queue in app.amqp.queues.consume_from.values():
             seconds = _queue_visibility(channel, queue.name)
             if seconds is not None:
                 found[queue.name] = seconds
+            elif created is not None and not channel.predefined_queues:
+                to_create[queue.name] = created
     except Exception as exc:
         note_queue_visibility(app, {})
         return [
@@ -216,7 +223,9 @@ def read_queue_visibility(app: Any) -> list[str]:
         ]
     finally:
         broker.close()
-    below = {name: seconds for name, seconds in found.items() if seconds < configured}
+    below = {
+        name: seconds for name, seconds in {**found, **to_create}.items() if seconds < configured
+    }
     note_queue_visibility(app, below)
     return [
         f"SQS queue {name!r} has a VisibilityTimeout of {seconds:g} s, below {VISIBILITY_OPTION} "
@@ -224,8 +233,25 @@ def read_queue_visibility(app: Any) -> list[str]:
         f"uses the queue's own, so the lease checks and deferral countdowns use {seconds:g} s. "
         f"Set the queue's VisibilityTimeout attribute to {math.ceil(configured)} (aws sqs "
         "set-queue-attributes), or lower the option"
+        if name in found
+        else f"SQS queue {name!r} does not exist yet, and kombu will create it with the "
+        f"VisibilityTimeout of broker_transport_options['sqs-creation-attributes'] "
+        f"({seconds:g} s), below {VISIBILITY_OPTION} ({configured:g} s), so the lease checks "
+        f"and deferral countdowns use {seconds:g} s. Remove VisibilityTimeout from "
+        "sqs-creation-attributes, or lower the option"
         for name, seconds in sorted(below.items())
     ]
+
+
+def _creation_visibility(app: Any) -> float | None:
+    """The ``VisibilityTimeout`` kombu gives a queue it creates in place of
+    the option (``sqs-creation-attributes``), or None: the option's."""
+    options = app.conf.broker_transport_options or {}
+    value = (options.get("sqs-creation-attributes") or {}).get("VisibilityTimeout")
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None  # SQS refuses it when kombu creates the queue, with its own message
 
 
 def _queue_visibility(channel: Any, name: str) -> float | None:

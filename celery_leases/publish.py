@@ -42,7 +42,13 @@ from celery_leases.request import CONTENT_TYPE_KEY
 from celery_leases.runtime import settings_for
 from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
 
-__all__ = ["DEFERRALS_HEADER", "ROUTED_REASONS", "deferrals_of", "publish_again"]
+__all__ = [
+    "DEFERRALS_HEADER",
+    "ROUTED_REASONS",
+    "capped_countdown",
+    "deferrals_of",
+    "publish_again",
+]
 
 logger = logging.getLogger("celery_leases")
 
@@ -81,6 +87,14 @@ def _outside_task_context() -> Iterator[None]:
             _task_stack.push(task)
 
 
+def capped_countdown(task: Any, countdown: float) -> float:
+    """``countdown``, capped below the broker's consumer or visibility timeout
+    (:func:`~celery_leases.broker_checks.countdown_cap`): the copy is held
+    unacknowledged until its countdown ends."""
+    cap = countdown_cap(task._get_app())
+    return countdown if cap is None else min(countdown, cap)
+
+
 def publish_again(
     task: Any,
     request: Any,
@@ -102,10 +116,7 @@ def publish_again(
     Raises:
         Reject: publishing kept failing; the broker keeps the message (requeue).
     """
-    cap = countdown_cap(task._get_app())
-    if cap is not None:
-        # the copy is held unacknowledged until its countdown ends
-        countdown = min(countdown, cap)
+    countdown = capped_countdown(task, countdown)
     deferrals = deferrals_of(request) + 1
     headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
     send_id = getattr(request, SEND_ID_HEADER, None) or headers.get(SEND_ID_HEADER)

@@ -26,7 +26,7 @@ from celery_leases.errors import (
 )
 from celery_leases.lease import Lease
 from celery_leases.outcome import decode, encode_value
-from celery_leases.publish import deferrals_of, publish_again
+from celery_leases.publish import capped_countdown, deferrals_of, publish_again
 from celery_leases.runtime import TaskOptions, settings_for
 from celery_leases.stores.base import (
     AlreadyCompleted,
@@ -150,9 +150,12 @@ def release(task: Any, lease: Lease, reason: str) -> bool:
     """Give the lease up, fenced; False if the store refused (this run is stale).
 
     The store is not waited for past the lease's local deadline: a release
-    that has no answer by then leaves the lease to run out.
+    that has no answer by then leaves the lease to run out. A lease already
+    lost (a body that raised ``Ignore`` or ``Reject`` after its deadline)
+    waits the drift margin instead, as :func:`release_after_loss` does: the
+    store may still name this run, and the release frees the job at once.
     """
-    result = _give_up(task, lease, reason)
+    result = _give_up(task, lease, reason, after_loss=lease.lost)
     if isinstance(result, Refusal):
         lease.mark_lost(result.error("release"))
         return False
@@ -296,7 +299,7 @@ def defer_unavailable(
     )
     logger.warning(
         "task %s[%s]: lease store unavailable at claim (%s); deferring %.1f s (deferral %d)",
-        task.name, request.id, exc, countdown, deferrals_of(request) + 1,
+        task.name, request.id, exc, capped_countdown(task, countdown), deferrals_of(request) + 1,
     )  # fmt: skip
     publish_again(
         task, request, args, kwargs, job_id=job_id, reason="store-unavailable",

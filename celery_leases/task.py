@@ -305,7 +305,13 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def _run_nested(
         self, holder: Run, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """Run inside the lease this thread already holds on the same job."""
+        """Run inside the lease this thread already holds on the same job.
+
+        Raises:
+            LeaseLost: the holder's lease is lost (``lease_on_lost="flag"``
+                lets the holder's body go on): a body never starts on it.
+        """
+        holder.lease.check()
         run = Run(self.name, holder.lease, request)
         push(run)
         try:

@@ -14,7 +14,6 @@ Timeline (visibility timeout 3 s, TTL 2 s, body 8 s)::
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from celery.result import AsyncResult
@@ -57,10 +56,31 @@ def test_visibility_duplicates_are_deferred_and_a_killed_holders_job_runs_once(
     assert value["generation"] == record.generation
     assert value["worker"].startswith(f"{worker_b.name}@")
     # B's acknowledgement of the copy it deferred deleted the message on
-    # SQS; whatever copy is left is skipped: none runs the body again
-    time.sleep(3.0 + 2.0 + 2.0)
+    # SQS; whatever copy is left is skipped: once the queue holds none (none
+    # waiting, delayed or in flight), none can run the body again
+    wait_until(lambda: _queue_is_empty(cluster), timeout=60, message="every copy to be gone")
     assert cluster.side.done_count(result.id) == 1
     assert len(cluster.side.events(result.id, "start")) == 2
+
+
+#: the queue attributes that count its messages: waiting, delayed, in flight
+_MESSAGE_COUNTS = (
+    "ApproximateNumberOfMessages",
+    "ApproximateNumberOfMessagesDelayed",
+    "ApproximateNumberOfMessagesNotVisible",
+)
+
+
+def _queue_is_empty(cluster: Cluster) -> bool:
+    """Whether the test's SQS queue holds no message at all."""
+    with cluster.client.connection_for_write() as connection:
+        channel = connection.default_channel
+        client = channel.sqs()
+        url = client.get_queue_url(QueueName=channel.canonical_queue_name(cluster.config.queue))
+        reply = client.get_queue_attributes(
+            QueueUrl=url["QueueUrl"], AttributeNames=list(_MESSAGE_COUNTS)
+        )
+    return all(int(reply["Attributes"][name]) == 0 for name in _MESSAGE_COUNTS)
 
 
 def _make_queue(cluster: Cluster, visibility_timeout: int) -> None:

@@ -8,7 +8,9 @@ store, or SQLite. Each test has its own app, queue and store.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import re
 import time
 import uuid
 import warnings
@@ -34,6 +36,7 @@ from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
 from celery_leases.task import DEFERRALS_HEADER, store_for
 from celery_leases.worker import check_app
 from tests.integration.conftest import WAIT, Recorder, worker
+from tests.integration.test_observe import Records
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -200,16 +203,24 @@ def test_a_duplicate_while_held_is_deferred_and_completes_once(
     )
 
 
+def outage_app(
+    make_app: Callable[..., Celery], lease_server: RedisServer, unique: str, **conf: Any
+) -> Celery:
+    """An app whose lease store is ``lease_server``, which the test stops."""
+    return make_app(
+        lease_server.url,
+        leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
+        **conf,
+    )
+
+
 def test_store_down_at_claim_defers_until_it_is_back(
     make_app: Callable[..., Celery],
     recorder: Recorder,
     unique: str,
     lease_server: RedisServer,
 ) -> None:
-    app = make_app(
-        lease_server.url,
-        leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
-    )
+    app = outage_app(make_app, lease_server, unique)
 
     @app.task(shared=False, base=LeasedTask, bind=True)
     def job(self: LeasedTask) -> str:
@@ -230,6 +241,50 @@ def test_store_down_at_claim_defers_until_it_is_back(
     assert record.state is LeaseState.COMPLETED
 
 
+def test_a_deferral_capped_by_the_visibility_timeout_logs_the_countdown_it_gets(
+    make_app: Callable[..., Celery],
+    recorder: Recorder,
+    unique: str,
+    lease_server: RedisServer,
+) -> None:
+    # half the visibility timeout (1 s) is below the backoff's first countdown (3 s)
+    app = outage_app(
+        make_app, lease_server, unique, broker_transport_options={"visibility_timeout": 2}
+    )
+    app.conf.update(leases_defer_backoff=3.0, leases_defer_max=10.0)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask) -> None:
+        recorder.add("body")
+
+    lease_server.stop()
+    # the worker reconfigures the root logger (and its level)
+    log, records = logging.getLogger("celery_leases"), Records()
+    level = log.level
+    log.addHandler(records)
+    log.setLevel(logging.WARNING)
+    try:
+        with worker(app):
+            result = job.delay()
+            [deferred] = recorder.wait("duplicate_deferred")
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+    assert recorder.of("body") == []
+    assert deferred["countdown"] == 1.0
+    [logged] = [
+        float(m.group(1))
+        for r in records.records
+        if (
+            m := re.search(
+                rf"\[{result.id}\]: lease store .* deferring ([\d.]+) s \(deferral 1\)",
+                r.getMessage(),
+            )
+        )
+    ]
+    assert logged == 1.0
+
+
 def test_a_copy_made_for_a_store_outage_goes_to_the_republish_queue(
     make_app: Callable[..., Celery],
     recorder: Recorder,
@@ -238,11 +293,7 @@ def test_a_copy_made_for_a_store_outage_goes_to_the_republish_queue(
     redis_server: RedisServer,
 ) -> None:
     again = f"again{unique}"
-    app = make_app(
-        lease_server.url,
-        leases_store_options={"prefix": f"t{unique}:", "socket_timeout": 1},
-        leases_republish_options={"queue": again},
-    )
+    app = outage_app(make_app, lease_server, unique, leases_republish_options={"queue": again})
 
     @app.task(shared=False, base=LeasedTask, bind=True)
     def job(self: LeasedTask) -> str:

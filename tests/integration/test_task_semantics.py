@@ -163,6 +163,35 @@ def test_a_claim_on_a_job_this_thread_holds_is_reentrant(
     assert len(set(generations)) == 1  # every nested call ran inside the same lease
 
 
+def test_a_nested_call_never_starts_its_body_on_a_lost_lease(
+    make_app: Callable[..., Celery], redis_server: RedisServer, recorder: Recorder, unique: str
+) -> None:
+    app = make_app(redis_server.url, leases_store_options={"prefix": f"nest{unique}:"})
+
+    @app.task(
+        shared=False, base=LeasedTask, bind=True, lease_key="tree:{root}", lease_on_lost="flag"
+    )
+    def walk(self: LeasedTask, root: str, depth: int) -> int:
+        recorder.add("start", (depth, self.lease.generation))
+        if depth == 0:
+            return 0
+        if len(recorder.of("start")) == 1:
+            # an operator takes the job away: the next renewal is refused
+            store_for(app).force_release(f"tree:{root}", by="test", reason="taken away")
+            wait_until(lambda: self.lease.lost, "the refused renewal")
+        return walk(root, depth - 1) + 1
+
+    with worker(app):
+        assert walk.delay(unique, 1).get(timeout=WAIT) == 1
+    starts = recorder.of("start")
+    # the nested call on the lost lease raised LeaseLost instead of running;
+    # the run was fenced out, and its copy ran both levels on a live lease
+    assert [depth for depth, _ in starts] == [1, 1, 0], starts
+    assert starts[0][1] < starts[1][1] == starts[2][1]
+    [fenced] = recorder.of("lease_fenced_out")
+    assert fenced["reason"] == "superseded"
+
+
 # --- chains --------------------------------------------------------------------------------
 
 
