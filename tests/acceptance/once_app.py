@@ -9,6 +9,9 @@ variables of :mod:`tests.acceptance.app`, and these:
   ``exactly_once`` transaction) or ``separate`` (the row in a transaction of
   its own, then the library's completion: the variant that applies an
   effect twice, which the tests must catch);
+- ``LEASES_TEST_ONCE_INSIDE``: seconds the ``together`` block stays open
+  after its row was written (a block longer than the lease, or one a test
+  freezes inside);
 - ``LEASES_TEST_ONCE_KILL_AT``: comma-separated steps at which the pool
   process SIGKILLs itself, once per job and step: ``before`` (the body
   started, no transaction yet), ``inside`` (the row written, not
@@ -16,7 +19,8 @@ variables of :mod:`tests.acceptance.app`, and these:
   ``after-result`` (Celery stored the result, the message is not acked).
 
 Each kill is counted in the side channel (``side:once-kills:<step>``)
-before it happens.
+before it happens; each run of a job's body (``side:once-runs:<job_id>``)
+and each block that wrote its row (``side:once-inside:<job_id>``) too.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ STEPS = ("before", "inside", "after-commit", "after-result")
 config = config_from_env()
 app = make_app(config)
 MODE = os.environ.get("LEASES_TEST_ONCE_MODE", "together")
+INSIDE = float(os.environ.get("LEASES_TEST_ONCE_INSIDE", "0"))
 KILL_AT = frozenset(filter(None, os.environ.get("LEASES_TEST_ONCE_KILL_AT", "").split(",")))
 _engines: dict[int, sa.Engine] = {}
 
@@ -88,6 +93,7 @@ def _kill_once(job_id: str, step: str) -> None:
 def once(self: Any, seconds: float = 0.0) -> dict[str, Any]:
     """Insert one row for the job, with its completion or (variant) apart from it."""
     lease = self.lease
+    side_channel(config.side).incr(f"side:once-runs:{lease.job_id}")
     _kill_once(lease.job_id, "before")
     _sleep_steps(seconds, 0.05)
     row = {"job_id": lease.job_id, "generation": lease.generation}
@@ -100,6 +106,8 @@ def once(self: Any, seconds: float = 0.0) -> dict[str, Any]:
     with exactly_once(self, _engine()) as tx:
         tx.connection.execute(sa.insert(EFFECTS).values(row))
         _kill_once(lease.job_id, "inside")
+        side_channel(config.side).incr(f"side:once-inside:{lease.job_id}")
+        _sleep_steps(INSIDE, 0.05)
         value = tx.complete(row)
     _kill_once(lease.job_id, "after-commit")
     return value

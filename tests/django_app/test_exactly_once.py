@@ -130,6 +130,30 @@ def test_a_holder_stopped_past_its_lease_is_refused_and_its_rows_roll_back(
     assert shipments(job_id) == [record.generation]
 
 
+def test_a_block_longer_than_the_lease_commits_once(
+    tmp_path: Path, start_worker: StartWorker, django_store: LeaseStore
+) -> None:
+    order, hold_in, job_id, send_id = a_job(tmp_path)
+    (hold_in / "after-commit.go").touch()  # held before the commit only
+    worker = start_worker()  # CELERY_LEASES_TTL = 3
+    result = send_ship(order, hold_in, job_id, send_id)
+    worker.wait_for_log(rf"job {re.escape(job_id)} held at before-commit", timeout=WAIT)
+    held = django_store.get(job_id)
+    assert held is not None
+    time.sleep(7)  # the block stays open for more than two leases
+    (hold_in / "before-commit.go").touch()
+    value = result.get(timeout=WAIT)
+    record = django_store.get(job_id)
+    worker.kill()
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    # the same run committed, with the renewals made in its transaction
+    assert record.generation == held.generation
+    assert record.renew_count >= 2
+    assert value == {"order": order.pk, "generation": held.generation}
+    assert shipments(job_id) == [held.generation]
+
+
 # -- refusals, in this process, on a lease of the test database ---------------
 
 

@@ -21,6 +21,7 @@ from celery_leases import AlreadyCompleted, LeaseConfigurationError, LeasedTask,
 from celery_leases.exactly_once import exactly_once
 from celery_leases.outcome import decode
 from celery_leases.task import store_for
+from tests.acceptance.harness import wait_until
 from tests.integration.conftest import WAIT, Recorder, worker
 
 pytestmark = pytest.mark.redis
@@ -385,3 +386,32 @@ def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
     record = store_for(app).get(result.id)
     assert record is not None
     assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
+
+
+def test_renewals_in_a_block_that_rolls_back_leave_the_lease_its_committed_time(
+    make_app: Callable[..., Celery], sql_url: str, unique: str, engine: sa.Engine, effects: sa.Table
+) -> None:
+    """The heartbeat renews in the block's transaction; when the block rolls
+    back, those renewals never happened, and the lease keeps no more time
+    than the committed record gives it."""
+    app = make_app(sql_url, leases_store_options={"table_name": f"leases_{unique}"}, leases_ttl=2)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def fail_late(self: LeasedTask) -> dict[str, Any]:
+        lease = self.lease
+        before, renewals = lease.deadline, lease.renewals
+        try:
+            with exactly_once(self, engine) as tx:
+                insert(tx.connection, effects, lease)
+                wait_until(lambda: lease.renewals >= renewals + 2, timeout=WAIT,
+                           message="two renewals in the block's transaction")  # fmt: skip
+                in_block = lease.deadline
+                raise ValueError("the task's own error")
+        except ValueError:
+            after = lease.deadline
+        return {"renewed": in_block > before, "kept": after <= before}
+
+    with worker(app):
+        result = fail_late.delay()
+        assert result.get(timeout=WAIT) == {"renewed": True, "kept": True}
+    assert rows_of(engine, effects, result.id) == 0
