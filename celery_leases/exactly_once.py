@@ -127,7 +127,8 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
     ``SqlStore``, with an engine, connection or session on that store's
     database. Make the writes inside the block and call ``tx.complete(value)``;
     leaving the block commits both, once. Keep the block short: the record
-    stays locked until the commit, and a renewal of this lease waits for it.
+    stays locked until the commit, and a claim of this job waits for it
+    (the heartbeat renews the lease in the block's transaction meanwhile).
 
     Args:
         task: the running task (``self``).
@@ -281,11 +282,13 @@ class BlockRenewal:
             raise _unavailable(lease, str(error)) from error
         if unpatched.green_library() is not None:
             return
-        event.listen(connection, "before_cursor_execute", self._before_statement)
-        event.listen(connection, "after_cursor_execute", self._after_statement)
-        self._watching.callback(self._stop_listening)
-        if other_statements is not None:
-            self._watching.enter_context(other_statements(self._statement_turn))
+        with self._watching as watching:
+            event.listen(connection, "before_cursor_execute", self._before_statement)
+            event.listen(connection, "after_cursor_execute", self._after_statement)
+            watching.callback(self._stop_listening)
+            if other_statements is not None:
+                watching.enter_context(other_statements(self._statement_turn))
+            self._watching = watching.pop_all()
         lease.renewer = self
 
     # -- the task's thread ---------------------------------------------------
@@ -382,6 +385,13 @@ class BlockRenewal:
                 ]
                 self._idle.set(max(r.ttl for r in requests))
                 return results
+        except exc.SQLAlchemyError as error:
+            # the connection refused before reaching the server (its
+            # transaction failed and awaits a rollback): the block fails anyway
+            raise StoreUnavailable(
+                f"the transaction of job {self._lease.job_id!r} cannot renew its lease: {error}",
+                job_id=self._lease.job_id,
+            ) from error
         finally:
             self._turn.release()
         return self._lease.store.renew_many(requests)

@@ -121,7 +121,7 @@ class Lease:
         self._lock = unpatched.lock()
         self._lease_until_ms = lease_until_ms
         self._deadline = started_at + timing.safe_duration
-        #: renewals sent before this moment are not applied (void_renewals)
+        #: renewals sent at or before this moment are not applied (void_renewals)
         self._void_before = float("-inf")
         self._lost: LeaseLost | None = None
         #: when the heartbeat should renew next (local monotonic clock)
@@ -242,7 +242,7 @@ class Lease:
                 self.mark_lost(result.error("renew"))
             return
         with self._lock:
-            if self._lost is not None or self._finished or started_at < self._void_before:
+            if self._lost is not None or self._finished or started_at <= self._void_before:
                 return
             expired = self._clock() >= self._deadline
             if not expired:
