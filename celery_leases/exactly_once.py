@@ -385,9 +385,14 @@ class BlockRenewal:
                 ]
                 self._idle.set(max(r.ttl for r in requests))
                 return results
-        except exc.SQLAlchemyError as error:
-            # the connection refused before reaching the server (its
-            # transaction failed and awaits a rollback): the block fails anyway
+        except (StoreUnavailable, exc.SQLAlchemyError) as error:
+            # The transaction failed (its session ended, a statement of the
+            # task aborted it): its lock and its renewals are gone, and the
+            # next generation may claim once the committed lease runs out.
+            # The lease keeps only that time, not what the renewals gave it.
+            self._lease.void_renewals(self._deadline, self._lease_until_ms)
+            if isinstance(error, StoreUnavailable):
+                raise
             raise StoreUnavailable(
                 f"the transaction of job {self._lease.job_id!r} cannot renew its lease: {error}",
                 job_id=self._lease.job_id,
