@@ -17,7 +17,7 @@ from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.runtime import forget_runtime, settings_for
 from celery_leases.spelling import misspelled_settings
 from celery_leases.stores import is_sql_url, open_store
-from celery_leases.worker import check_app
+from celery_leases.worker import SQLITE_PAUSE_WARNING, check_app
 
 __all__ = ["Check", "run_checks"]
 
@@ -74,9 +74,7 @@ def run_checks(app: Any) -> list[Check]:
         if not (store_failed and message.startswith("the lease store cannot be used")):
             report.append(Check("tasks", "error", message, exit_code=5))
     seen: set[str] = set()
-    named = [("store", str(w.message)) for w in caught] + [
-        ("settings" if m.startswith("the setting ") else "tasks", m) for m in app_warnings
-    ]
+    named = [("store", str(w.message)) for w in caught] + [(_topic(m), m) for m in app_warnings]
     for name, message in named:
         # an unreachable store is already an error of the "store" check
         if message not in seen and "cannot be reached" not in message:
@@ -87,6 +85,13 @@ def run_checks(app: Any) -> list[Check]:
             Check("tasks", "ok", "leased tasks, time limits and broker fit the lease ttl")
         )
     return report
+
+
+def _topic(warning: str) -> str:
+    """The report line a warning of :func:`check_app` belongs to."""
+    if warning == SQLITE_PAUSE_WARNING:
+        return "store"
+    return "settings" if warning.startswith("the setting ") else "tasks"
 
 
 def _scheme(url: str) -> str:

@@ -23,31 +23,48 @@ What a crash, a stall or a redelivery can do to it::
 The library's own completion after the body then only stores the result.
 Anything outside the transaction (HTTP calls, other databases) is not
 covered: fence those as before.
+
+While the block holds the record's lock, a renewal from the store's own
+connection would only wait for it; so the heartbeat renews the lease in the
+block's transaction instead, between the task's statements
+(:class:`BlockRenewal`), and a block may last longer than the lease. The
+database ends the transaction once it has been idle for the lease's time
+(PostgreSQL, MySQL, MariaDB), so a paused process holds the lock no longer
+than its lease; SQLite cannot end it::
+
+    task thread     BEGIN lock ── insert ─────────── insert ── complete COMMIT
+    renewal thread             renew (same transaction)   renew
+    (every statement on the connection takes turns with the renewals)
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import event, exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseError, LeaseLost, StoreUnavailable
 from celery_leases.fencing.sql_once import (
+    IdleLimit,
     OnceStore,
     complete_in_transaction,
     lock_in_transaction,
+    renew_in_transaction,
 )
 from celery_leases.lease import Lease
 from celery_leases.outcome import encode_value
 from celery_leases.run_steps import outcome_options
-from celery_leases.stores.base import Refusal
+from celery_leases.stores.base import Refusal, RenewRequest, RenewResult
+from celery_leases.stores.deadline import time_left
 from celery_leases.stores.sql_errors import permanent, reason, refused_for_good
 
-__all__ = ["Bind", "ExactlyOnce", "exactly_once"]
+__all__ = ["BlockRenewal", "Bind", "ExactlyOnce", "exactly_once"]
 
 T = TypeVar("T")
 
@@ -56,6 +73,18 @@ T = TypeVar("T")
 Bind = Engine | Connection | Session
 
 _UNSET: Any = object()
+
+#: the shortest wait for the connection between two checks of the lease (seconds)
+_MIN_WAIT = 0.01
+
+#: what makes a transaction's other statements (those not run on its
+#: SQLAlchemy connection, such as Django's ORM) take turns with the
+#: renewals: given the context in which one statement must run, a context
+#: manager that applies it to each of them for the block
+StatementTurns = Callable[
+    [Callable[[], contextlib.AbstractContextManager[None]]],
+    contextlib.AbstractContextManager[None],
+]
 
 
 class ExactlyOnce:
@@ -99,7 +128,8 @@ def exactly_once(task: Any, bind: Bind) -> Iterator[ExactlyOnce]:
     ``SqlStore``, with an engine, connection or session on that store's
     database. Make the writes inside the block and call ``tx.complete(value)``;
     leaving the block commits both, once. Keep the block short: the record
-    stays locked until the commit, and a renewal of this lease waits for it.
+    stays locked until the commit, and a claim of this job waits for it
+    (the heartbeat renews the lease in the block's transaction meanwhile).
 
     Args:
         task: the running task (``self``).
@@ -150,6 +180,7 @@ def run_once(
     opened: contextlib.AbstractContextManager[OpenTransaction],
     *,
     failures: tuple[type[BaseException], ...],
+    other_statements: StatementTurns | None = None,
 ) -> Iterator[ExactlyOnce]:
     """The mechanism of :func:`exactly_once` in the transaction ``opened`` gives.
 
@@ -159,6 +190,9 @@ def run_once(
     from entering ``opened`` until the commit makes the lease lost with
     ``reason`` ``"unavailable"``, unless it is a refusal for good (rights,
     credentials), which passes through.
+    In between the lease is renewed in the transaction (:class:`BlockRenewal`);
+    ``other_statements`` makes the statements that do not run on the
+    transaction's SQLAlchemy connection take turns with those renewals.
     """
     lease: Lease = task.lease
     store = _sql_store(lease)
@@ -171,8 +205,10 @@ def run_once(
         )
     lease.check()
     with _open(lease, opened, failures) as (connection, session, commit, rollback, before_complete):
+        renewal: BlockRenewal | None = None
         try:
             _fenced(lease, lock_in_transaction, connection, store)
+            renewal = BlockRenewal(lease, store, connection, other_statements)
             tx = ExactlyOnce(connection, session, lease)
             yield tx
             if not tx.completing:
@@ -187,11 +223,13 @@ def run_once(
             lease.check()
             outcome = encode_value(tx._value, **outcome_options(task))
             _fenced(lease, complete_in_transaction, connection, store, outcome)
+            renewal.end(committing=True)
         except failures as error:
             # a lost connection, a timeout, a lock not granted: nothing was
             # committed, so the job runs again (a constraint, a bad
             # statement or missing rights are the task's own error and pass
             # through: running again would meet them again)
+            _end_renewal(renewal)
             _roll_back(rollback)
             if not _outage(error):
                 raise
@@ -202,6 +240,7 @@ def run_once(
                 "nothing was written",
             ) from error
         except BaseException:
+            _end_renewal(renewal)
             _roll_back(rollback)
             raise
         try:
@@ -257,6 +296,175 @@ def _outage(error: BaseException) -> bool:
     # a framework's class around the driver's error (Django's OperationalError)
     cause = error.__cause__
     return cause is None or not refused_for_good(cause)
+
+
+class BlockRenewal:
+    """Renews a lease in the transaction of its ``exactly_once`` block.
+
+    From the lock to the end of the block the heartbeat renews the lease
+    here (``lease.renewer``), with the store's renew statement on the
+    block's own connection: the record is locked by that transaction, and a
+    renewal from any other connection would wait for the lock until the
+    lease ran out. The renewals take turns with the task's statements on
+    the connection (a driver connection serves one statement at a time),
+    and each one sets the transaction's idle limit (:class:`IdleLimit`) to
+    the lease's time again. A renewal in the transaction commits with the
+    completion, or is undone with a rollback, and then so is its effect on
+    the lease (:meth:`Lease.void_renewals`).
+
+    Under gevent or eventlet the connection belongs to the hub, which the
+    heartbeat's OS threads must not touch: the lease is not renewed during
+    the block there, and the block must end within the lease.
+    """
+
+    def __init__(
+        self,
+        lease: Lease,
+        store: OnceStore,
+        connection: Connection,
+        other_statements: StatementTurns | None,
+    ) -> None:
+        self._lease = lease
+        self._store = store
+        self._connection = connection
+        self._deadline = lease.deadline
+        self._lease_until_ms = lease.lease_until_ms
+        self._turn = unpatched.lock()
+        self._task_thread = threading.get_ident()
+        self._task_has_turn = False
+        self._ended = False
+        self._idle = IdleLimit(connection, store.dialect_name)
+        self._watching = contextlib.ExitStack()
+        try:
+            self._idle.set(lease.remaining() + lease.timing.drift_margin)
+        except StoreUnavailable as error:
+            raise _unavailable(lease, str(error)) from error
+        if unpatched.green_library() is not None:
+            return
+        with self._watching as watching:
+            event.listen(connection, "before_cursor_execute", self._before_statement)
+            event.listen(connection, "after_cursor_execute", self._after_statement)
+            watching.callback(self._stop_listening)
+            if other_statements is not None:
+                watching.enter_context(other_statements(self._statement_turn))
+            self._watching = watching.pop_all()
+        lease.renewer = self
+
+    # -- the task's thread ---------------------------------------------------
+
+    def _take_turn(self) -> bool:
+        """Wait for a renewal on the connection to end; False if the task has the turn."""
+        if threading.get_ident() != self._task_thread or self._task_has_turn:
+            return False
+        while not self._turn.acquire(timeout=max(self._lease.remaining(), _MIN_WAIT)):
+            self._lease.check()  # a renewal that hangs past the deadline
+        self._task_has_turn = True
+        return True
+
+    def _give_turn(self) -> None:
+        if threading.get_ident() == self._task_thread and self._task_has_turn:
+            self._task_has_turn = False
+            self._turn.release()
+
+    def _before_statement(self, *_: Any) -> None:
+        self._take_turn()
+
+    def _after_statement(self, *_: Any) -> None:
+        # a statement that fails gets no "after" event (SQLAlchemy has no
+        # per-connection error event): the task keeps the turn until its
+        # next statement ends, or the block does
+        self._give_turn()
+
+    @contextlib.contextmanager
+    def _statement_turn(self) -> Iterator[None]:
+        taken = self._take_turn()
+        try:
+            yield
+        finally:
+            if taken:
+                self._give_turn()
+
+    def _stop_listening(self) -> None:
+        event.remove(self._connection, "before_cursor_execute", self._before_statement)
+        event.remove(self._connection, "after_cursor_execute", self._after_statement)
+
+    def end(self, *, committing: bool) -> None:
+        """The block ends: renewals go to the store again; before a rollback
+        the renewals made in the transaction are voided.
+
+        Raises:
+            LeaseLost: committing, and a session-wide idle limit could not
+                be set back (``reason`` ``"unavailable"``).
+        """
+        if self._ended:
+            return
+        lease = self._lease
+        # wait for a renewal on the connection, but not past the deadline:
+        # one that hangs there is left to the connection's own timeouts
+        taken = self._task_has_turn or self._turn.acquire(timeout=max(lease.remaining(), _MIN_WAIT))
+        self._ended = True
+        lease.renewer = lease.store
+        if taken:
+            self._task_has_turn = False
+            self._turn.release()
+        self._watching.close()
+        if not committing:
+            lease.void_renewals(self._deadline, self._lease_until_ms)
+            with contextlib.suppress(StoreUnavailable):
+                self._idle.restore()
+            return
+        try:
+            self._idle.restore()
+        except StoreUnavailable as error:
+            raise _unavailable(lease, str(error)) from error
+
+    # -- the heartbeat's renewal thread ----------------------------------------
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
+        """Renew in the block's transaction, or in the store once the block ended.
+
+        Raises:
+            StoreUnavailable: the task's statement held the connection until
+                the caller's deadline, or the renewal statement failed.
+        """
+        left = time_left()
+        if not self._turn.acquire(timeout=-1 if left is None else left):
+            raise StoreUnavailable(
+                f"the transaction of job {self._lease.job_id!r} was running a statement of "
+                "the task until the lease's deadline; no renewal could be sent on it",
+                job_id=self._lease.job_id,
+            )
+        try:
+            if not self._ended:
+                results = [
+                    renew_in_transaction(
+                        self._connection, self._store, r.job_id, r.owner, r.generation, r.ttl
+                    )
+                    for r in requests
+                ]
+                self._idle.set(max(r.ttl for r in requests))
+                return results
+        except (StoreUnavailable, exc.SQLAlchemyError) as error:
+            # The transaction failed (its session ended, a statement of the
+            # task aborted it): its lock and its renewals are gone, and the
+            # next generation may claim once the committed lease runs out.
+            # The lease keeps only that time, not what the renewals gave it.
+            self._lease.void_renewals(self._deadline, self._lease_until_ms)
+            if isinstance(error, StoreUnavailable):
+                raise
+            raise StoreUnavailable(
+                f"the transaction of job {self._lease.job_id!r} cannot renew its lease: {error}",
+                job_id=self._lease.job_id,
+            ) from error
+        finally:
+            self._turn.release()
+        return self._lease.store.renew_many(requests)
+
+
+def _end_renewal(renewal: BlockRenewal | None) -> None:
+    if renewal is not None:
+        with contextlib.suppress(LeaseLost):
+            renewal.end(committing=False)
 
 
 def _roll_back(rollback: Callable[[], None]) -> None:

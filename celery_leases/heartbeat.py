@@ -29,6 +29,11 @@ then too::
     deadline thread  ──due──▶ start renewal ──▶ sleep ──deadline──▶ lost (flag / interrupt / stop)
     renewal thread            renew_many ......... (hangs) ......... reply: ignored if too late
 
+A lease whose record an ``exactly_once`` block has locked is renewed in
+that block's own transaction (``Lease.renewer``, see
+:mod:`celery_leases.exactly_once`): a renewal from the store's connection
+would only wait for that lock.
+
 A refusal makes that lease lost. ``StoreUnavailable`` is retried until the
 lease's own deadline passes. Any other error from a batch makes the leases
 of that batch lost (it is logged with its traceback); an error in the
@@ -53,10 +58,10 @@ from collections.abc import Callable
 
 from celery_leases import unpatched
 from celery_leases.errors import LeaseLost, StoreUnavailable
-from celery_leases.lease import Lease
+from celery_leases.lease import Lease, Renewer
 from celery_leases.notify import notify, process_notifier
 from celery_leases.per_process import ProcessLocal
-from celery_leases.stores.base import LeaseStore, RenewRequest
+from celery_leases.stores.base import RenewRequest
 from celery_leases.stores.deadline import bounded
 
 __all__ = ["MAX_IN_FLIGHT", "Heartbeat", "process_heartbeat"]
@@ -194,10 +199,10 @@ class Heartbeat:
         }
         if not due:
             return self._next_wait(held)
-        due_stores = {id(x.store) for x in held if id(x) in due}
-        due_by_store: dict[int, tuple[LeaseStore, list[Lease]]] = {}
+        due_stores = {id(x.renewer) for x in held if id(x) in due}
+        due_by_store: dict[int, tuple[Renewer, list[Lease]]] = {}
         for lease in held:
-            key = id(lease.store)
+            key = id(lease.renewer)
             if key not in due_stores:
                 continue
             # A lease due within half an interval rides along in this call
@@ -206,12 +211,12 @@ class Heartbeat:
             # A lease whose renewal is in flight waits for it, as before.
             early = lease.next_renew_at <= now + lease.timing.renew_interval / 2
             if id(lease) in due or (early and id(lease) not in renewing):
-                due_by_store.setdefault(key, (lease.store, []))[1].append(lease)
+                due_by_store.setdefault(key, (lease.renewer, []))[1].append(lease)
         for store, leases in due_by_store.values():
             self._start_renewal(store, leases)
         return self._next_wait(held)
 
-    def _start_renewal(self, store: LeaseStore, leases: list[Lease]) -> None:
+    def _start_renewal(self, store: Renewer, leases: list[Lease]) -> None:
         key = id(store)
         started = self._clock()
         slot_ends = min(lease.deadline for lease in leases)
@@ -251,7 +256,7 @@ class Heartbeat:
     # -- renewal threads -------------------------------------------------------
 
     def _renew_batch(
-        self, store: LeaseStore, leases: list[Lease], started: float, call: int, slot_ends: float
+        self, store: Renewer, leases: list[Lease], started: float, call: int, slot_ends: float
     ) -> None:
         requests = [RenewRequest(x.job_id, x.owner, x.generation, x.timing.ttl) for x in leases]
         try:

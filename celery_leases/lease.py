@@ -27,8 +27,9 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Protocol
 
 from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
@@ -39,14 +40,23 @@ from celery_leases.stores.base import (
     Refusal,
     RefusalReason,
     Renewed,
+    RenewRequest,
+    RenewResult,
     ms_to_datetime,
 )
 
-__all__ = ["Lease", "make_owner"]
+__all__ = ["Lease", "Renewer", "make_owner"]
 
 logger = logging.getLogger("celery_leases")
 
 Clock = Callable[[], float]
+
+
+class Renewer(Protocol):
+    """Where the heartbeat renews a lease: its store, or (while an
+    ``exactly_once`` block holds the record's lock) that block's transaction."""
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]: ...
 
 
 class Lease:
@@ -72,8 +82,9 @@ class Lease:
     __slots__ = (
         "__weakref__", "_clock", "_deadline", "_finished", "_in_body", "_interrupted",
         "_lease_until_ms", "_lock", "_lost", "_on_lost", "_on_renewed", "_thread_id",
-        "completed_in_transaction", "generation", "hostname", "in_transaction", "job_id",
-        "next_renew_at", "owner", "renewals", "store", "task_id", "task_name", "timing",
+        "_void_before", "completed_in_transaction", "generation", "hostname", "in_transaction",
+        "job_id", "next_renew_at", "owner", "renewals", "renewer", "store", "task_id",
+        "task_name", "timing",
     )  # fmt: skip
 
     def __init__(
@@ -99,6 +110,9 @@ class Lease:
         self.owner = owner
         self.generation = generation
         self.store = store
+        #: where the heartbeat renews the lease (the store, unless a block
+        #: of celery_leases.exactly_once holds the record)
+        self.renewer: Renewer = store
         self.timing = timing
         self.task_name = task_name
         self._clock = clock
@@ -107,6 +121,8 @@ class Lease:
         self._lock = unpatched.lock()
         self._lease_until_ms = lease_until_ms
         self._deadline = started_at + timing.safe_duration
+        #: renewals sent at or before this moment are not applied (void_renewals)
+        self._void_before = float("-inf")
         self._lost: LeaseLost | None = None
         #: when the heartbeat should renew next (local monotonic clock)
         self.next_renew_at = started_at + timing.renew_interval
@@ -133,6 +149,11 @@ class Lease:
     def lease_until(self) -> datetime:
         """When the store lets another worker claim the job (aware UTC, store clock)."""
         return ms_to_datetime(self._lease_until_ms)
+
+    @property
+    def lease_until_ms(self) -> int:
+        """``lease_until`` in the store's milliseconds."""
+        return self._lease_until_ms
 
     @property
     def deadline(self) -> float:
@@ -224,7 +245,7 @@ class Lease:
                 self.mark_lost(result.error("renew"))
             return
         with self._lock:
-            if self._lost is not None or self._finished:
+            if self._lost is not None or self._finished or started_at <= self._void_before:
                 return
             expired = self._clock() >= self._deadline
             if not expired:
@@ -240,6 +261,23 @@ class Lease:
                 self._on_renewed(self)
             except Exception:
                 logger.exception("renewed-lease handler for job %r failed", self.job_id)
+
+    def void_renewals(self, deadline: float, lease_until_ms: int) -> None:
+        """Undo the renewals made in a transaction that rolled back.
+
+        The lease keeps at most ``deadline`` and ``lease_until_ms`` (what
+        the committed record supports), is due for a renewal now, and a
+        renewal sent before this call is not applied when its reply comes::
+
+            block:     BEGIN, lock ... renew (in the transaction) ... ROLLBACK
+            heartbeat:                 renew sent ......................... reply: void
+        """
+        with self._lock:
+            now = self._clock()
+            self._void_before = now
+            self._deadline = min(self._deadline, deadline)
+            self._lease_until_ms = min(self._lease_until_ms, lease_until_ms)
+            self.next_renew_at = min(self.next_renew_at, now)
 
     def is_own_completion(self, refusal: Refusal) -> bool:
         """Whether ``refusal`` says the job was completed by this very run

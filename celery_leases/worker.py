@@ -62,6 +62,7 @@ from celery_leases.stores import open_store
 from celery_leases.task import LeasedTask
 
 __all__ = [
+    "SQLITE_PAUSE_WARNING",
     "STORE_CHECK_TIMEOUT",
     "LeasesStep",
     "WorkerStartRefused",
@@ -347,6 +348,17 @@ def _check_task(
     return warnings
 
 
+#: the start warning of an SQLite store: nothing bounds how long a paused
+#: process holds its write lock
+SQLITE_PAUSE_WARNING = (
+    "the lease store is SQLite: a worker process paused (SIGSTOP, a frozen VM, swapped "
+    "out) inside an exactly_once block, or inside any write, keeps the whole database's "
+    "write lock until it runs again, and nothing can bound that: every claim, renewal and "
+    "completion of every worker waits for it. Use PostgreSQL or MariaDB/MySQL where "
+    "worker processes can be paused"
+)
+
+
 def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT) -> str | None:
     """Open the lease store and ask it the time once, waiting at most ``timeout`` s.
 
@@ -359,17 +371,20 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
 
     Returns:
         A warning when the store cannot be reached now (claims are deferred
-        until it can), else None.
+        until it can), or when it is SQLite (:data:`SQLITE_PAUSE_WARNING`),
+        else None.
 
     Raises:
         LeaseConfigurationError: the store refuses this worker for good (bad
             URL or options, wrong password, missing database, no rights).
     """
     outcome: list[Exception | None] = []
+    dialects: list[object] = []
 
     def ask() -> None:
         try:
             store = open_store(settings.store_url, **dict(settings.store_options))
+            dialects.append(getattr(store, "dialect_name", None))
             try:
                 store.now_ms()
             finally:
@@ -390,7 +405,7 @@ def check_store(settings: LeaseSettings, *, timeout: float = STORE_CHECK_TIMEOUT
         )
     error = outcome[0]
     if error is None:
-        return None
+        return SQLITE_PAUSE_WARNING if dialects == ["sqlite"] else None
     if isinstance(error, StoreUnavailable):
         return mask(
             f"the lease store cannot be reached now ({error}); leased tasks are deferred "

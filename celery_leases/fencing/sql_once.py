@@ -14,11 +14,16 @@ completion commits with the caller's writes or not at all::
 
 The lock makes a claim by another worker wait for the commit (it then finds
 the job completed) or, when the record was taken over before the lock, the
-lock matches nothing and the transaction writes nothing.
+lock matches nothing and the transaction writes nothing. While the lock is
+held the lease is renewed in the same transaction (a renewal from another
+connection would wait for the lock), and :class:`IdleLimit` bounds how long
+the transaction may stay idle, so that a paused process does not hold the
+lock for longer than its lease where the database can end it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import sqlalchemy as sa
@@ -32,10 +37,23 @@ from celery_leases.errors import (
     StoreUnavailable,
 )
 from celery_leases.fencing.sql_transaction import _lease_lost
-from celery_leases.stores.base import CompleteResult, LeaseRecord, LeaseState, Refusal
+from celery_leases.stores.base import (
+    CompleteResult,
+    LeaseRecord,
+    LeaseState,
+    Refusal,
+    RenewResult,
+)
 from celery_leases.stores.sql_errors import permanent
+from celery_leases.stores.sql_table import IDLE_LIMITS
 
-__all__ = ["OnceStore", "complete_in_transaction", "lock_in_transaction"]
+__all__ = [
+    "IdleLimit",
+    "OnceStore",
+    "complete_in_transaction",
+    "lock_in_transaction",
+    "renew_in_transaction",
+]
 
 
 class OnceStore(Protocol):
@@ -48,6 +66,10 @@ class OnceStore(Protocol):
     def dialect_name(self) -> str: ...
 
     def lock_in(self, conn: Connection, job_id: str, owner: str, generation: int) -> bool: ...
+
+    def renew_in(
+        self, conn: Connection, job_id: str, owner: str, generation: int, ttl: float
+    ) -> RenewResult: ...
 
     def complete_in(
         self, conn: Connection, job_id: str, owner: str, generation: int, outcome: bytes | None
@@ -90,6 +112,88 @@ def lock_in_transaction(
         raise _statement_error(error, store, "lock", job_id, owner, generation) from error
     _check_same_record(store, lost, job_id, owner, generation)
     raise lost
+
+
+def renew_in_transaction(
+    conn: Connection, store: OnceStore, job_id: str, owner: str, generation: int, ttl: float
+) -> RenewResult:
+    """Renew the lease in ``conn``'s transaction, which holds the record's lock.
+
+    Raises:
+        StoreUnavailable: the statement failed.
+    """
+    try:
+        return store.renew_in(conn, job_id, owner, generation, ttl)
+    except exc.DBAPIError as error:
+        raise _statement_error(error, store, "renewal", job_id, owner, generation) from error
+
+
+class IdleLimit:
+    """How long ``conn``'s transaction may stay idle before the database
+    ends its session (and with it the transaction and its locks).
+
+    A process paused inside the transaction (SIGSTOP, a VM frozen, swapped
+    out) sends nothing; past the limit the server ends the session, so the
+    record's lock is held for no longer than the lease. PostgreSQL bounds
+    it for the transaction only (``idle_in_transaction_session_timeout``);
+    MySQL and MariaDB for the session (``wait_timeout``), which
+    :meth:`restore` sets back before the transaction ends. SQLite cannot
+    bound it (:attr:`bounded` is False): a paused process keeps the write
+    lock of the whole database until it runs again.
+    """
+
+    def __init__(self, conn: Connection, dialect_name: str) -> None:
+        self._conn = conn
+        self._statements = IDLE_LIMITS.get(dialect_name)
+        self._saved: object = None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the database can end a transaction idle too long."""
+        return self._statements is not None
+
+    def set(self, seconds: float) -> None:
+        """Let the transaction stay idle at most ``seconds`` from its next idle moment.
+
+        Raises:
+            StoreUnavailable: the statement failed.
+        """
+        if self._statements is None:
+            return
+        set_sql, read_sql = self._statements
+        try:
+            if read_sql is not None and self._saved is None:
+                self._saved = self._conn.execute(sa.text(read_sql)).scalar()
+            self._conn.execute(sa.text(set_sql), _limit_parameters(set_sql, seconds))
+        except exc.DBAPIError as error:
+            raise StoreUnavailable(
+                f"could not bound the idle time of the task's transaction: "
+                f"{getattr(error, 'orig', None) or error}"
+            ) from error
+
+    def restore(self) -> None:
+        """Set a session-wide limit back to what it was (MySQL, MariaDB).
+
+        Raises:
+            StoreUnavailable: the statement failed.
+        """
+        if self._statements is None or self._saved is None:
+            return
+        saved, self._saved = self._saved, None
+        try:
+            self._conn.execute(sa.text(self._statements[0]), {"seconds": saved})
+        except exc.DBAPIError as error:
+            raise StoreUnavailable(
+                f"could not set the session's idle limit back: "
+                f"{getattr(error, 'orig', None) or error}"
+            ) from error
+
+
+def _limit_parameters(set_sql: str, seconds: float) -> dict[str, int]:
+    """The bound parameter of an IDLE_LIMITS statement: ``:ms`` or whole ``:seconds``."""
+    if ":ms" in set_sql:
+        return {"ms": max(1, math.ceil(seconds * 1000))}
+    return {"seconds": max(1, math.ceil(seconds))}
 
 
 def complete_in_transaction(

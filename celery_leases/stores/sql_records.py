@@ -17,7 +17,13 @@ from sqlalchemy.engine import Connection, Engine, RowMapping
 from sqlalchemy.sql.expression import ColumnElement
 
 from celery_leases.errors import LeaseRecordUnreadable
-from celery_leases.stores.base import CompleteResult, LeaseRecord, LeaseState
+from celery_leases.stores.base import (
+    CompleteResult,
+    LeaseRecord,
+    LeaseState,
+    RenewResult,
+    ttl_to_ms,
+)
 from celery_leases.stores.sql_operations import Operations
 from celery_leases.stores.sql_statements import _held_by, _Statements
 
@@ -75,8 +81,15 @@ class SqlRecords:
         ``conn`` is the caller's, on this store's database; its driver
         errors pass through. The lock lasts until that transaction ends.
         """
-        parameters = {"p_job_id": job_id, "p_owner": owner, "p_generation": generation}
-        return self._operations.lock(conn, parameters)
+        return self._operations.lock(conn, _fence(job_id, owner, generation))
+
+    def renew_in(
+        self, conn: Connection, job_id: str, owner: str, generation: int, ttl: float
+    ) -> RenewResult:
+        """The renewal, run in ``conn``'s open transaction, which holds the
+        record's lock (as :meth:`complete_in`)."""
+        parameters = _fence(job_id, owner, generation, p_ttl_ms=ttl_to_ms(ttl))
+        return self._operations.renew(conn, parameters)
 
     def complete_in(
         self, conn: Connection, job_id: str, owner: str, generation: int, outcome: bytes | None
@@ -87,12 +100,7 @@ class SqlRecords:
         ``conn`` is the caller's, on this store's database; its driver
         errors pass through.
         """
-        parameters = {
-            "p_job_id": job_id,
-            "p_owner": owner,
-            "p_generation": generation,
-            "p_outcome": outcome,
-        }
+        parameters = _fence(job_id, owner, generation, p_outcome=outcome)
         return self._operations.complete(conn, parameters)
 
     # -- reads and the purge -------------------------------------------------
@@ -139,3 +147,8 @@ class SqlRecords:
 
         # deleting what is old enough twice deletes it once
         return self._call("purge", work, again=True)
+
+
+def _fence(job_id: str, owner: str, generation: int, **more: Any) -> dict[str, Any]:
+    """The bind parameters of a statement fenced on ``owner`` and ``generation``."""
+    return {"p_job_id": job_id, "p_owner": owner, "p_generation": generation, **more}

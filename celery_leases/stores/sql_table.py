@@ -255,6 +255,26 @@ DDL_LOCKS: dict[str, tuple[str | None, str | None]] = {
 }
 
 
+#: per dialect, what bounds the idle time of a caller's transaction that
+#: holds a lease record's lock (``exactly_once``), so that a process paused
+#: inside it holds the lock no longer than its lease: the statement that sets
+#: the bound (``:ms``, milliseconds, or ``:seconds``, whole seconds), and
+#: where the setting outlives the transaction the statement that reads it,
+#: to set it back before the end. PostgreSQL: the server ends a session idle
+#: in its transaction that long (``set_config`` with ``is_local`` is ``SET
+#: LOCAL``, which takes no bind parameter). MySQL and MariaDB: the session's
+#: ``wait_timeout`` ends a connection idle that long, in a transaction or not.
+#: SQLite: nothing can; a paused process keeps the database's write lock.
+IDLE_LIMITS: dict[str, tuple[str, str | None] | None] = {
+    "postgresql": (
+        "SELECT set_config('idle_in_transaction_session_timeout', CAST(:ms AS TEXT), true)",
+        None,
+    ),
+    "mysql": ("SET SESSION wait_timeout = :seconds", "SELECT @@SESSION.wait_timeout"),
+    "sqlite": None,
+}
+
+
 def ddl_lock_name(table_name: str) -> str:
     """The name of the lock that serializes DDL on lease table ``table_name``."""
     return f"celery_leases:{table_name}"

@@ -15,6 +15,9 @@ variables of :mod:`tests.acceptance.app`, and these:
   as the docs advise);
 - ``LEASES_TEST_ONCE_URL``: the URL of the task's own engine (default: the
   lease store's), for a connection through a proxy or with another role;
+- ``LEASES_TEST_ONCE_INSIDE``: seconds the ``together`` block stays open
+  after its row was written (a block longer than the lease, or one a test
+  freezes inside);
 - ``LEASES_TEST_ONCE_KILL_AT``: comma-separated steps at which the pool
   process SIGKILLs itself, once per job and step: ``before`` (the body
   started, no transaction yet), ``inside`` (the row written, not
@@ -22,7 +25,8 @@ variables of :mod:`tests.acceptance.app`, and these:
   ``after-result`` (Celery stored the result, the message is not acked).
 
 Each kill is counted in the side channel (``side:once-kills:<step>``)
-before it happens, and each body that starts in ``side:once-runs:<job_id>``.
+before it happens; each run of a job's body (``side:once-runs:<job_id>``)
+and each block that wrote its row (``side:once-inside:<job_id>``) too.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ config = config_from_env()
 app = make_app(config)
 MODE = os.environ.get("LEASES_TEST_ONCE_MODE", "together")
 URL = os.environ.get("LEASES_TEST_ONCE_URL") or config.store
+INSIDE = float(os.environ.get("LEASES_TEST_ONCE_INSIDE", "0"))
 KILL_AT = frozenset(filter(None, os.environ.get("LEASES_TEST_ONCE_KILL_AT", "").split(",")))
 _engines: dict[int, sa.Engine] = {}
 
@@ -113,6 +118,8 @@ def once(self: Any, seconds: float = 0.0) -> dict[str, Any]:
         with exactly_once(self, _engine()) as tx:
             tx.connection.execute(sa.insert(EFFECTS).values(row))
             _kill_once(lease.job_id, "inside")
+            side_channel(config.side).incr(f"side:once-inside:{lease.job_id}")
+            _sleep_steps(INSIDE, 0.05)
             if MODE.startswith("retry-") and self.request.retries == 0:
                 if MODE == "retry-inside":
                     self.retry(countdown=0)

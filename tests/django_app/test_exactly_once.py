@@ -14,7 +14,7 @@ import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from celery.result import AsyncResult
@@ -29,8 +29,8 @@ from celery_leases.lease import Lease
 from celery_leases.sending import keeping_send_id
 from celery_leases.settings import LeaseTiming
 from celery_leases.stores import LeaseStore, open_store
-from celery_leases.stores.base import Acquired, LeaseState
-from tests.acceptance.harness import wait_until
+from celery_leases.stores.base import Acquired, LeaseRecord, LeaseState
+from tests.acceptance.harness import Worker, wait_until
 from tests.django_app.conftest import StartWorker
 from tests.proxy import Proxy
 
@@ -102,16 +102,34 @@ def test_a_kill_after_the_commit_is_answered_from_the_kept_outcome(
     assert "lease claimed" not in second.log()  # answered from the record: the body did not run
 
 
-def test_a_holder_stopped_past_its_lease_is_refused_and_its_rows_roll_back(
+class HeldRun(NamedTuple):
+    """A run of ``ship`` held inside its block, before the commit."""
+
+    order: Order
+    hold_in: Path
+    job_id: str
+    worker: Worker
+    result: AsyncResult
+    held: LeaseRecord
+
+
+def held_before_commit(
     tmp_path: Path, start_worker: StartWorker, django_store: LeaseStore
-) -> None:
+) -> HeldRun:
     order, hold_in, job_id, send_id = a_job(tmp_path)
     (hold_in / "after-commit.go").touch()  # held before the commit only
     worker = start_worker()  # CELERY_LEASES_TTL = 3
-    send_ship(order, hold_in, job_id, send_id)
+    result = send_ship(order, hold_in, job_id, send_id)
     worker.wait_for_log(rf"job {re.escape(job_id)} held at before-commit", timeout=WAIT)
     held = django_store.get(job_id)
     assert held is not None
+    return HeldRun(order, hold_in, job_id, worker, result, held)
+
+
+def test_a_holder_stopped_past_its_lease_is_refused_and_its_rows_roll_back(
+    tmp_path: Path, start_worker: StartWorker, django_store: LeaseStore
+) -> None:
+    _, hold_in, job_id, worker, _, held = held_before_commit(tmp_path, start_worker, django_store)
     worker.freeze()
     time.sleep(4)  # past the lease
     worker.thaw()
@@ -129,6 +147,26 @@ def test_a_holder_stopped_past_its_lease_is_refused_and_its_rows_roll_back(
     worker.kill()
     assert record.generation > held.generation
     assert shipments(job_id) == [record.generation]
+
+
+def test_a_block_longer_than_the_lease_commits_once(
+    tmp_path: Path, start_worker: StartWorker, django_store: LeaseStore
+) -> None:
+    order, hold_in, job_id, worker, result, held = held_before_commit(
+        tmp_path, start_worker, django_store
+    )
+    time.sleep(4.5)  # the block stays open longer than the lease
+    (hold_in / "before-commit.go").touch()
+    value = result.get(timeout=WAIT)
+    record = django_store.get(job_id)
+    worker.kill()
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    # the same run committed, with the renewals made in its transaction
+    assert record.generation == held.generation
+    assert record.renew_count >= 2
+    assert value == {"order": order.pk, "generation": held.generation}
+    assert shipments(job_id) == [held.generation]
 
 
 # -- refusals, in this process, on a lease of the test database ---------------

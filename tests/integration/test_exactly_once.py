@@ -8,6 +8,7 @@ database through its own engine (a connection or an ORM session).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from celery_leases import AlreadyCompleted, LeaseConfigurationError, LeasedTask,
 from celery_leases.exactly_once import exactly_once
 from celery_leases.outcome import decode
 from celery_leases.task import store_for
+from tests.acceptance.harness import wait_until
 from tests.integration.conftest import WAIT, Recorder, worker
 from tests.proxy import Proxy
 
@@ -513,3 +515,75 @@ def test_a_session_whose_reconnect_is_refused_as_the_block_opens_runs_the_job_ag
     assert generation > recorder.of("refused")[0]
     assert rows_of(engine, effects, result.id) == 1
     assert [e["reason"] for e in recorder.of("lease_fenced_out")] == ["unavailable"]
+
+
+def test_renewals_in_a_block_that_rolls_back_leave_the_lease_its_committed_time(
+    make_app: Callable[..., Celery], sql_url: str, unique: str, engine: sa.Engine, effects: sa.Table
+) -> None:
+    """The heartbeat renews in the block's transaction; when the block rolls
+    back, those renewals never happened, and the lease keeps no more time
+    than the committed record gives it."""
+    app = make_app(sql_url, leases_store_options={"table_name": f"leases_{unique}"}, leases_ttl=2)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def fail_late(self: LeasedTask) -> dict[str, Any]:
+        lease = self.lease
+        before, renewals = lease.deadline, lease.renewals
+        try:
+            with exactly_once(self, engine) as tx:
+                insert(tx.connection, effects, lease)
+                wait_until(lambda: lease.renewals >= renewals + 2, timeout=WAIT,
+                           message="two renewals in the block's transaction")  # fmt: skip
+                in_block = lease.deadline
+                raise ValueError("the task's own error")
+        except ValueError:
+            after = lease.deadline
+        return {"renewed": in_block > before, "kept": after <= before}
+
+    with worker(app):
+        result = fail_late.delay()
+        assert result.get(timeout=WAIT) == {"renewed": True, "kept": True}
+    assert rows_of(engine, effects, result.id) == 0
+
+
+def test_a_block_whose_session_ends_keeps_only_the_committed_time(
+    make_app: Callable[..., Celery],
+    sql_url: str,
+    unique: str,
+    engine: sa.Engine,
+    effects: sa.Table,
+    recorder: Recorder,
+) -> None:
+    """The server ends the block's session after renewals in its transaction
+    gave the lease more time: the lock and those renewals are gone, so the
+    lease is lost at the next renewal, not when their time would end."""
+    if not sql_url.startswith("postgresql"):
+        pytest.skip("ends the server's session with pg_terminate_backend")
+    app = make_app(sql_url, leases_store_options={"table_name": f"leases_{unique}"}, leases_ttl=6)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def cut_off(self: LeasedTask) -> None:
+        lease = self.lease
+        if recorder.of("cut"):
+            return  # the next run, once the first was fenced out
+        renewals = lease.renewals
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, lease)
+            pid = tx.connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            wait_until(lambda: lease.renewals >= renewals + 2, timeout=WAIT,
+                       message="two renewals in the block's transaction")  # fmt: skip
+            extended = lease.deadline
+            with engine.connect() as other:
+                other.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+                other.commit()
+            wait_until(lambda: lease.lost, timeout=WAIT, message="the lease lost")
+            recorder.add("cut", extended - time.monotonic())
+            tx.complete(None)
+
+    with worker(app):
+        job = cut_off.delay().id
+        [left] = recorder.wait("cut")
+    # lost about one renewal interval (2 s) after the session ended, seconds
+    # before the time the renewals made in the ended transaction gave it
+    assert left > 1.0
+    assert rows_of(engine, effects, job) == 0

@@ -349,3 +349,24 @@ def test_nothing_counts_as_lost_once_the_run_finished(store: FlakyStore, local: 
     local.now = lease.deadline + 1
     assert not lease.expire_if_due()
     assert lost == []
+
+
+def test_voided_renewals_leave_the_committed_time_and_a_late_reply_is_not_applied(
+    store: FlakyStore, local: LocalClock
+) -> None:
+    """Renewals made in a transaction that rolled back never happened."""
+    lease = claim(store, local)
+    committed = lease.deadline  # what the committed record gives: 1009
+    local.now += 3
+    lease.apply_renewal(local.now, Renewed(lease.job_id, lease.generation, 10**13, 0))
+    assert lease.deadline == pytest.approx(1012.0)
+    local.now += 1
+    sent = local.now  # a renewal on the wire when the transaction rolls back
+    lease.void_renewals(committed, lease.lease_until_ms)
+    assert lease.deadline == committed
+    assert lease.next_renew_at <= local.now  # renewed again from the store at once
+    local.now += 0.5
+    lease.apply_renewal(sent, Renewed(lease.job_id, lease.generation, 10**13, 0))
+    assert lease.deadline == committed
+    lease.apply_renewal(local.now, Renewed(lease.job_id, lease.generation, 10**13, 0))
+    assert lease.deadline == pytest.approx(local.now + 9.0)

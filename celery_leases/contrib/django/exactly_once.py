@@ -15,7 +15,9 @@ together, once::
 The two statements are the store's own (:mod:`celery_leases.fencing.sql_once`),
 run through SQLAlchemy on Django's DB-API connection, which is lent for
 the block: SQLAlchemy never commits, rolls back or closes it; Django's
-``atomic()`` does.
+``atomic()`` does. The ORM's statements take turns with the lease's
+renewals in the block's transaction through Django's
+``connection.execute_wrapper()``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,7 +37,7 @@ from sqlalchemy.pool import NullPool
 
 from celery_leases.contrib.django.store import database_url
 from celery_leases.errors import LeaseConfigurationError
-from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, run_once
+from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, StatementTurns, run_once
 from celery_leases.stores.sql_table import MYSQL_NAMES
 
 __all__ = ["exactly_once"]
@@ -53,8 +55,9 @@ def exactly_once(task: Any, using: str = "default") -> Iterator[ExactlyOnce]:
     URL of the same database), outside any ``atomic()`` block. Make the
     writes inside the block (on ``using``) and call ``tx.complete(value)``;
     leaving the block commits both. Keep the block short: the lease record
-    stays locked until the commit. ``atomic()`` blocks inside it are
-    savepoints of its transaction.
+    stays locked until the commit (the lease is renewed in the block's
+    transaction meanwhile). ``atomic()`` blocks inside it are savepoints of
+    its transaction.
 
     Args:
         task: the running task (``self``).
@@ -73,8 +76,29 @@ def exactly_once(task: Any, using: str = "default") -> Iterator[ExactlyOnce]:
             marked for rollback, or it ended without ``tx.complete()``;
             nothing was committed.
     """
-    with run_once(task, _atomic(task, using), failures=_FAILURES) as tx:
+    with run_once(
+        task, _atomic(task, using), failures=_FAILURES, other_statements=_orm_statements(using)
+    ) as tx:
         yield tx
+
+
+def _orm_statements(using: str) -> StatementTurns:
+    """Run each of Django's statements on ``using`` in the turn it is given,
+    for the block (``execute_wrapper``, Django's hook around every query)."""
+
+    def install(
+        turn: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> contextlib.AbstractContextManager[None]:
+        def in_turn(execute: Callable[..., Any], *arguments: Any) -> Any:
+            with turn():
+                return execute(*arguments)
+
+        wrapping: contextlib.AbstractContextManager[None] = connections[using].execute_wrapper(
+            in_turn
+        )
+        return wrapping
+
+    return install
 
 
 @contextlib.contextmanager
