@@ -12,9 +12,10 @@ warning. Prefork and solo children run one task at a time and keep the
 default. (The renewals have a pool of their own: ``renew_connections``.)
 
 The SQL store's pool (SQLAlchemy's ``QueuePool``: ``pool_size`` 5 and
-``max_overflow`` 10 unless told) is sized the same way: a one-process
-worker whose tasks and :data:`SPARE_CONNECTIONS` are more than the 15 gets
-``pool_size`` of that many, unless ``leases_store_options`` sets
+``max_overflow`` 10 unless told) is sized the same way (a threads worker:
+gevent and eventlet workers refuse a SQL store at start): a worker whose
+tasks and :data:`SPARE_CONNECTIONS` are more than the 15 gets ``pool_size``
+of that many, unless ``leases_store_options`` sets
 ``pool_size``, ``max_overflow`` or ``poolclass`` itself; a pool below the
 concurrency is named in a warning. The heartbeat's renewals share it (they
 are among the spare connections). A store call waits for a connection of
