@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.pool import Pool
 
 from celery_leases import Acquired, Completed, Released, Renewed, RenewRequest, StoreUnavailable
 from celery_leases.stores.deadline import bounded
@@ -232,11 +234,10 @@ def test_a_statement_waiting_on_a_row_lock_ends_at_the_servers_limit(
 
 # --- a frozen server: every wait ends by the caller's deadline ------------------
 
-#: how late past its deadline a call may return on a loaded machine: the
-#: waits end on time, but each new MariaDB connection first spends CPU
-#: (PyMySQL builds a TLS context for it, about 30 ms), and 15 at once on two
-#: busy cores take about a second
-LATE = 1.5
+#: how late past its deadline a call may return on a loaded machine (the
+#: waits end on time; a new MariaDB connection first spends CPU: PyMySQL
+#: builds a TLS context for it, about 30 ms)
+LATE = 1.0
 
 
 def _server_pids(server: PostgresServer | MariadbServer) -> list[int]:
@@ -272,20 +273,35 @@ def frozen(server: PostgresServer | MariadbServer) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
+#: the deadlines of the reading threads: 15 hold every connection of the
+#: pool, then 5 more wait for one
+HOLDERS, WAITERS = [2.0] * 15, [0.5, 0.5, 0.5, 1.0, 1.0]
+
+
 def test_twenty_threads_reading_a_frozen_server_each_return_by_their_deadline(
     database: PostgresServer | MariadbServer, unique: str
 ) -> None:
-    # more threads than SQLAlchemy's default pool holds (5 + 10): those
-    # without a connection wait for one, and every wait ends by the
-    # thread's own deadline (the store's limit, 3 s, is later)
-    store = SqlStore.from_url(database.url, table_name=f"leases_{unique}", timeout=3.0)
-    deadlines = [0.5 + (n % 4) * 0.5 for n in range(20)]
-    took: list[float | None] = [None] * 20
-    results: list[object] = [None] * 20
-    start = threading.Barrier(21)
+    # a pool of 15, all connected before the freeze as in a running worker;
+    # 15 reads hold its connections, 5 more wait for one, and every wait
+    # ends by the thread's own deadline (the store's limit, 3 s, is later)
+    store = SqlStore.from_url(
+        database.url, table_name=f"leases_{unique}", timeout=3.0, pool_size=15, max_overflow=0
+    )
+    deadlines = HOLDERS + WAITERS
+    took: list[float | None] = [None] * len(deadlines)
+    results: list[object] = [None] * len(deadlines)
+    readers: set[int] = set()
+    checked_out: list[int] = []
+    holding = threading.Event()
+
+    def count(*_: object) -> None:
+        if threading.get_ident() in readers:
+            checked_out.append(1)
+            if len(checked_out) == len(HOLDERS):
+                holding.set()
 
     def read(n: int) -> None:
-        start.wait()
+        readers.add(threading.get_ident())
         began = time.monotonic()
         try:
             with bounded(deadlines[n]):
@@ -294,13 +310,19 @@ def test_twenty_threads_reading_a_frozen_server_each_return_by_their_deadline(
             results[n] = error
         took[n] = time.monotonic() - began
 
+    threads = [threading.Thread(target=read, args=(n,), daemon=True) for n in range(20)]
+    event.listen(Pool, "checkout", count)  # every pool's: the store's own
     try:
-        assert isinstance(store.claim("job", A, 60), Acquired)  # one pooled connection
-        threads = [threading.Thread(target=read, args=(n,), daemon=True) for n in range(20)]
+        assert isinstance(store.claim("job", A, 60), Acquired)
+        with contextlib.ExitStack() as connections:
+            for _ in range(15):
+                connections.enter_context(store.engine.connect())
         with frozen(database):
-            for thread in threads:
+            for thread in threads[: len(HOLDERS)]:
                 thread.start()
-            start.wait()
+            assert holding.wait(HUNG), "the holders never took the pool's connections"
+            for thread in threads[len(HOLDERS) :]:
+                thread.start()
             for thread in threads:
                 thread.join(HUNG)
         odd = [result for result in results if not isinstance(result, StoreUnavailable)]
@@ -316,6 +338,7 @@ def test_twenty_threads_reading_a_frozen_server_each_return_by_their_deadline(
         assert record is not None
         assert record.owner == A
     finally:
+        event.remove(Pool, "checkout", count)
         store.close()
 
 
