@@ -1,4 +1,4 @@
-"""The Redis store's task pool, sized to the tasks of one worker process.
+"""The lease store's connection pool, sized to the tasks of one worker process.
 
 redis-py's connection pool holds 100 connections unless told otherwise, and
 a call that finds every one of them in use fails at once. A threads, gevent
@@ -10,6 +10,16 @@ task, the store's task pool gets a connection per task and
 ``max_connections`` itself; a value below the concurrency is named in a
 warning. Prefork and solo children run one task at a time and keep the
 default. (The renewals have a pool of their own: ``renew_connections``.)
+
+The SQL store's pool (SQLAlchemy's ``QueuePool``: ``pool_size`` 5 and
+``max_overflow`` 10 unless told) is sized the same way (a threads worker:
+gevent and eventlet workers refuse a SQL store at start): a worker whose
+tasks and :data:`SPARE_CONNECTIONS` are more than the 15 gets ``pool_size``
+of that many, unless ``leases_store_options`` sets
+``pool_size``, ``max_overflow`` or ``poolclass`` itself; a pool below the
+concurrency is named in a warning. The heartbeat's renewals share it (they
+are among the spare connections). A store call waits for a connection of
+the pool at most until its deadline (:mod:`celery_leases.stores.sql_pool`).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.green_pools import green_pool
 from celery_leases.runtime import forget_runtime, settings_for
-from celery_leases.stores import is_redis_url
+from celery_leases.stores import is_redis_url, is_sql_url
 
 __all__ = ["DEFAULT_CONNECTIONS", "SPARE_CONNECTIONS", "most_tasks", "size_task_pool"]
 
@@ -92,6 +102,8 @@ def size_task_pool(app: Any, pool: str, tasks: int) -> str | None:
         settings = settings_for(app)
     except LeaseConfigurationError:
         return None  # the start check names the mistake
+    if is_sql_url(settings.store_url):
+        return _size_sql_pool(app, dict(settings.store_options), tasks)
     if not is_redis_url(settings.store_url):
         return None
     options = dict(settings.store_options)
@@ -122,5 +134,43 @@ def size_task_pool(app: Any, pool: str, tasks: int) -> str | None:
             "lease store at once, the claims beyond it are deferred as if the store were "
             f"down. Leave max_connections out (the worker then uses {tasks} + "
             f"{SPARE_CONNECTIONS}) or raise it."
+        )
+    return None
+
+
+#: the SQL store's pool options a user may set
+_SQL_POOL_OPTIONS = ("pool_size", "max_overflow", "poolclass", "pool", "creator")
+
+
+def _size_sql_pool(app: Any, options: dict[str, Any], tasks: int) -> str | None:
+    """:func:`size_task_pool` for a SQL store (see the module's docstring)."""
+    from celery_leases.stores.sql_pool import MAX_OVERFLOW, POOL_SIZE, pool_capacity
+
+    wanted = tasks + SPARE_CONNECTIONS
+    if not options.keys() & set(_SQL_POOL_OPTIONS):
+        if wanted <= POOL_SIZE + MAX_OVERFLOW:
+            return None
+        if not _set_options(app, {**options, "pool_size": wanted}):
+            return (
+                f"could not give the SQL lease store's pool pool_size={wanted}: the "
+                "configuration keeps reading leases_store_options from another key. Set "
+                "pool_size in leases_store_options yourself, or tasks beyond SQLAlchemy's "
+                f"{POOL_SIZE + MAX_OVERFLOW} connections wait for one, and are deferred "
+                "when none comes before their deadline."
+            )
+        logger.info(
+            "celery-leases: the SQL lease store's pool gets pool_size=%d "
+            "(one connection per task this worker runs at once, and %d more)",
+            wanted, SPARE_CONNECTIONS,
+        )  # fmt: skip
+        return None
+    capacity = pool_capacity(options)
+    if capacity is not None and capacity < tasks:
+        return (
+            f"the SQL lease store's pool holds {capacity} connections (pool_size + "
+            f"max_overflow), below the worker's concurrency ({tasks}): when more tasks "
+            "than that call the store at once, the calls beyond it wait for a connection "
+            f"and are deferred when none comes in time. Leave pool_size and max_overflow "
+            f"out (the worker then uses pool_size={wanted}) or raise them."
         )
     return None

@@ -26,6 +26,7 @@ record, see :meth:`LeaseStore.complete`), never a claim or a release.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,9 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.stores.base import (
-    Acquired,
     ClaimResult,
-    Completed,
     CompleteResult,
     LeaseRecord,
     LeaseStore,
@@ -44,7 +43,6 @@ from celery_leases.stores.base import (
     RenewResult,
 )
 from celery_leases.stores.deadline import store_waits, time_left
-from celery_leases.stores.sql_driver import DriverStatements, sends_by_driver
 from celery_leases.stores.sql_engine import (
     check_columns,
     check_timeout,
@@ -52,11 +50,13 @@ from celery_leases.stores.sql_engine import (
     dialect_for,
     make_table,
     masked_url,
-    open_engines,
+    open_engine,
+    store_url,
 )
 from celery_leases.stores.sql_errors import DRIVER_ERRORS, lost_connection, store_error
 from celery_leases.stores.sql_mysql import MysqlOperations, _MysqlStatements
 from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
+from celery_leases.stores.sql_pool import Checkouts
 from celery_leases.stores.sql_records import SqlRecords
 from celery_leases.stores.sql_sqlite_engine import (
     MIN_SQLITE_VERSION,
@@ -93,6 +93,13 @@ DEFAULT_TIMEOUT = 5.0
 _check_sqlite_version = check_sqlite_version
 
 T = TypeVar("T")
+
+
+def _timeout(dialect_name: str, timeout: float | None) -> float:
+    """The store's ``timeout``: as given, else the default for the database."""
+    if timeout is None:
+        return SQLITE_BUSY_TIMEOUT if dialect_name == "sqlite" else DEFAULT_TIMEOUT
+    return check_timeout(timeout)
 
 
 # --- the store ---------------------------------------------------------------
@@ -143,12 +150,9 @@ class SqlStore(SqlRecords, LeaseStore):
         create_table: bool,
         timeout: float | None,
         server_limits: bool,
-        calls_engine: Engine | None = None,
+        checkouts: Checkouts | None = None,
     ) -> None:
-        if timeout is None:
-            sqlite = engine.dialect.name == "sqlite"
-            timeout = SQLITE_BUSY_TIMEOUT if sqlite else DEFAULT_TIMEOUT
-        self.timeout = check_timeout(timeout)
+        self.timeout = _timeout(engine.dialect.name, timeout)
         self.engine = engine
         self.url = masked_url(engine)
         self._dialect = dialect_for(engine, self.timeout, server_limits=server_limits)
@@ -156,23 +160,11 @@ class SqlStore(SqlRecords, LeaseStore):
         self.table = lease_table(sa.MetaData(), table_name)
         self._where = (self.url, self.table.name)
         self._owns_engine = False
-        self._calls_engine = calls_engine
+        self._checkouts = checkouts
         self._autocommit_writes = self._dialect.write_options.get("isolation_level") == "AUTOCOMMIT"
-        if calls_engine is not None:
-            # its connections are in autocommit from the start: no isolation
-            # level is set and reset around every call (about 0.1 ms of CPU
-            # per claim and complete)
-            dialect_for(calls_engine, self.timeout, server_limits=server_limits)
-            self._writer = self._reader = calls_engine
-        else:
-            self._writer = engine.execution_options(**self._dialect.write_options)
-            self._reader = engine.execution_options(**self._dialect.read_options)
+        self._writer = engine.execution_options(**self._dialect.write_options)
+        self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = _Statements.build(self.table, self._dialect)
-        self._driver = (
-            DriverStatements(calls_engine, vars(self._statements))
-            if calls_engine is not None and sends_by_driver(calls_engine)
-            else None
-        )
         self._operations = (
             MysqlOperations(
                 self._statements, self.url, _MysqlStatements.build(self.table, self._dialect)
@@ -207,38 +199,30 @@ class SqlStore(SqlRecords, LeaseStore):
         Raises:
             LeaseConfigurationError: the URL cannot be parsed or is unsupported.
         """
-        engine, calls = open_engines(url, engine_options)
+        parsed = store_url(url)
+        timeout = _timeout(parsed.get_backend_name(), timeout)
+        engine, checkouts = open_engine(parsed, engine_options, timeout)
         store = cls.__new__(cls)
         try:
-            store._init(
-                engine, table_name, create_table, timeout, server_limits=True, calls_engine=calls
-            )
+            store._init(engine, table_name, create_table, timeout, True, checkouts)
         except BaseException:
             engine.dispose()
-            if calls is not None:
-                calls.dispose()
             raise
         store._owns_engine = True
-        if calls is not None:
-            engine.dispose()  # the DDL's connection: `engine` connects again when used
         return store
 
-    @property
-    def calls_engine(self) -> Engine:
-        """The engine the store's own calls run on: ``engine``, except for a
-        PostgreSQL store opened from a URL, whose calls have an engine of
-        their own with connections in autocommit (:func:`open_engines`)."""
-        return self._calls_engine or self.engine
-
     def close(self) -> None:
-        """Dispose the engines' connections if this store created them."""
+        """Dispose the engine's connections if this store created it."""
         if self._owns_engine:
             self.engine.dispose()
-            if self._calls_engine is not None:
-                self._calls_engine.dispose()
 
     def __repr__(self) -> str:
         return f"SqlStore({self.url!r}, table_name={self.table.name!r})"
+
+    def _slot(self) -> contextlib.AbstractContextManager[None]:
+        """A slot of the store's pool (see :mod:`~celery_leases.stores.sql_pool`)."""
+        checkouts = self._checkouts
+        return contextlib.nullcontext() if checkouts is None else checkouts.slot()
 
     def _call(
         self,
@@ -259,15 +243,14 @@ class SqlStore(SqlRecords, LeaseStore):
         """
         with store_waits(self.timeout):
             try:
-                return work()
-            except DRIVER_ERRORS as error:
-                left = time_left()
-                if not (again and lost_connection(error) and (left is None or left > 0)):
-                    raise store_error(
-                        error, *self._where, operation, job_id, owner, generation
-                    ) from error
-            try:
-                return work()
+                with self._slot():
+                    try:
+                        return work()
+                    except DRIVER_ERRORS as error:
+                        left = time_left()
+                        if not (again and lost_connection(error) and (left is None or left > 0)):
+                            raise
+                    return work()
             except DRIVER_ERRORS as error:
                 raise store_error(
                     error, *self._where, operation, job_id, owner, generation
@@ -303,11 +286,6 @@ class SqlStore(SqlRecords, LeaseStore):
         operations = self._operations
 
         def work() -> ClaimResult:
-            if self._driver is not None and not self._driver.listened:
-                row = self._driver.first("claim", parameters)
-                if row is not None:
-                    return Acquired(job_id, owner, *row)
-                return self._in_write(operations.claim_locking, parameters, True)
             if isinstance(operations, MysqlOperations):
                 # a transaction each, as many as a race on a new row needs
                 return operations.claim_in_turns(self._writer, parameters)
@@ -345,17 +323,6 @@ class SqlStore(SqlRecords, LeaseStore):
         }
         # tried again after a lost reply: the base class judges the refusal
         # "completed by this owner and generation" to be this completion
-        if self._driver is not None and not self._driver.listened:
-            driver = self._driver
-
-            def work() -> CompleteResult:
-                if driver.first("complete", parameters) is not None:
-                    return Completed(job_id, generation)
-                return self._in_write(self._operations.refusal, parameters)
-
-            return self._call(
-                "complete", work, again=True, job_id=job_id, owner=owner, generation=generation
-            )
         return self._write(
             "complete", self._operations.complete, parameters, again=True, owner=owner,
             gen=generation,

@@ -30,6 +30,7 @@ from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.sql_errors import FIX, permanent, reason
 from celery_leases.stores.sql_indexes import invalid_warning
 from celery_leases.stores.sql_mysql_engine import prepare_mysql_engine
+from celery_leases.stores.sql_pool import Checkouts, pool_capacity
 from celery_leases.stores.sql_postgres_engine import prepare_postgres_engine
 from celery_leases.stores.sql_sqlite_engine import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
 from celery_leases.stores.sql_table import (
@@ -295,20 +296,12 @@ def check_timeout(timeout: object) -> float:
 # --- the engines of a store opened from a URL -------------------------------------
 
 
-def open_engines(url: str, engine_options: dict[str, Any]) -> tuple[Engine, Engine | None]:
-    """The engines of a store opened from ``url``: its public engine, and on
-    PostgreSQL one for its calls.
-
-    The store's calls on PostgreSQL run in autocommit, one statement each. An
-    engine whose connections are made in autocommit spares them the isolation
-    level set and reset around every call (about 0.1 ms of CPU per claim and
-    complete); the public engine stays the one for transactions (the table's
-    DDL, fenced transactions, a user's own). None when the caller chose an
-    ``isolation_level``, or on another database.
+def store_url(url: str) -> sa.URL:
+    """``url`` parsed, with the store's drivers: psycopg for ``postgresql://``,
+    PyMySQL for ``mysql://`` and ``mariadb://``.
 
     Raises:
-        LeaseConfigurationError: the URL cannot be parsed, or its driver is
-            not installed.
+        LeaseConfigurationError: the URL cannot be parsed.
     """
     try:
         parsed = sa.make_url(url)
@@ -320,6 +313,21 @@ def open_engines(url: str, engine_options: dict[str, Any]) -> tuple[Engine, Engi
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.drivername in MYSQL_NAMES:
         parsed = parsed.set(drivername=f"{parsed.drivername}+pymysql")
+    return parsed
+
+
+def open_engine(
+    parsed: sa.URL, engine_options: dict[str, Any], timeout: float
+) -> tuple[Engine, Checkouts | None]:
+    """The engine of a store opened from ``parsed`` (:func:`store_url`), and
+    the slots its calls take (None when its pool has no limit).
+
+    Its pool waits at most ``timeout`` for a connection unless
+    ``pool_timeout`` is given (:mod:`~celery_leases.stores.sql_pool`).
+
+    Raises:
+        LeaseConfigurationError: the URL's driver is not installed.
+    """
     backend = parsed.get_backend_name()
     # a server's pooled connections are pinged only after they sat idle
     # (ping_when_idle), unless the caller chose pool_pre_ping itself
@@ -329,16 +337,11 @@ def open_engines(url: str, engine_options: dict[str, Any]) -> tuple[Engine, Engi
         # ROLLBACK of a read's connection on close); the pool's own
         # ROLLBACK on return would be one more round trip per call.
         engine_options.setdefault("pool_reset_on_return", None)
+    if backend in ("postgresql", *MYSQL_NAMES) and pool_capacity(engine_options) is not None:
+        # the checkouts of the engine's other users (see sql_pool)
+        engine_options.setdefault("pool_timeout", timeout)
     try:
         engine = sa.create_engine(parsed, **engine_options)
-        # made with the options each call would otherwise set (PostgreSQL's
-        # read and write options are the same: autocommit)
-        calls_options = _POSTGRES.write_options
-        calls = (
-            sa.create_engine(parsed, **engine_options, **calls_options)
-            if backend == "postgresql" and not calls_options.keys() & engine_options.keys()
-            else None
-        )
     except (ImportError, exc.NoSuchModuleError) as error:
         raise LeaseConfigurationError(
             f"the driver of {mask(parsed.render_as_string(hide_password=False))} is not "
@@ -346,7 +349,6 @@ def open_engines(url: str, engine_options: dict[str, Any]) -> tuple[Engine, Engi
             "'celery-leases[mysql]' for MySQL or MariaDB"
         ) from error
     if idle_ping:
-        for each in (engine, calls):
-            if each is not None:
-                ping_when_idle(each)
-    return engine, calls
+        ping_when_idle(engine)
+    width = pool_capacity(engine_options) if isinstance(engine.pool, sa.QueuePool) else None
+    return engine, None if width is None else Checkouts(width, timeout)

@@ -102,16 +102,13 @@ class Operations:
                     return decided
         raise self._undecided(parameters)
 
-    def claim_locking(
-        self, conn: Connection, parameters: dict[str, Any], tried: bool = False
-    ) -> ClaimResult:
+    def claim_locking(self, conn: Connection, parameters: dict[str, Any]) -> ClaimResult:
         """PostgreSQL: the claim, then (when it matched nothing) the decide
         statement, which locks the record and takes it over or reports it.
-        Claimed again only if the record was purged in between. ``tried``:
-        the caller's claim statement matched nothing already."""
+        Claimed again only if the record was purged in between."""
         job_id, owner = parameters["p_job_id"], parameters["p_owner"]
-        for attempt in range(CLAIM_ATTEMPTS):
-            acquired = None if tried and attempt == 0 else self.try_claim(conn, parameters)
+        for _ in range(CLAIM_ATTEMPTS):
+            acquired = self.try_claim(conn, parameters)
             if acquired is not None:
                 return acquired
             row = conn.execute(self.statements.decide, parameters).first()

@@ -4,7 +4,8 @@ Used by :mod:`celery_leases.stores.sql_engine`. PostgreSQL gets a bound on
 every wait, so that a connection that went silently dead (a firewall or NAT
 that forgot it, a failover behind a virtual IP) cannot hang a store call:
 
-- ``connect_timeout`` for a new connection;
+- a new connection waits at most the store's ``timeout``, or until the
+  caller's deadline if that is sooner (see :class:`_PostgresOnConnect`);
 - TCP keepalives and ``tcp_user_timeout``, so the kernel gives up on a peer
   that stopped acknowledging;
 - ``statement_timeout`` and ``lock_timeout`` on the server (engines the store
@@ -32,7 +33,8 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from celery_leases.stores.deadline import reply_limit
+from celery_leases import unpatched
+from celery_leases.stores.deadline import reply_limit, time_left
 
 __all__ = ["prepare_postgres_engine"]
 
@@ -69,12 +71,14 @@ def _bounded_connection_class() -> type[Any]:
     return BoundedConnection
 
 
+#: libpq's shortest ``connect_timeout``: it counts whole seconds, and less than 2 as 2
+LIBPQ_SHORTEST_CONNECT = 2
+
+
 def _postgres_parameters(timeout: float) -> dict[str, Any]:
     """libpq parameters that bound a connection's waits (see the module's docstring)."""
     seconds = max(1, math.ceil(timeout))
     return {
-        # libpq counts whole seconds and treats less than 2 as 2
-        "connect_timeout": max(2, seconds),
         "keepalives": 1,
         "keepalives_idle": seconds,
         "keepalives_interval": 1,
@@ -85,9 +89,19 @@ def _postgres_parameters(timeout: float) -> dict[str, Any]:
 
 class _PostgresOnConnect:
     """The ``do_connect`` hook: bounded connections. A parameter or server
-    setting the caller gave (in the URL or ``connect_args``) is kept."""
+    setting the caller gave (in the URL or ``connect_args``) is kept.
+
+    A new connection waits at most the store's ``timeout``, or until the
+    deadline of the store call that opens it (the lease's remaining time)
+    when that is sooner: libpq's ``connect_timeout`` is that many whole
+    seconds, rounded down. libpq waits at least 2 s, so a shorter wait is
+    kept by connecting on a thread of its own and giving up on it in time
+    (it ends by itself within those 2 s). In the OS thread of a gevent or
+    eventlet hub, which must not block, libpq's 2 s stand.
+    """
 
     def __init__(self, timeout: float, server_limits: bool) -> None:
+        self.timeout = timeout
         self.parameters = _postgres_parameters(timeout)
         ms = round(timeout * 1000)
         self.settings = {"statement_timeout": ms, "lock_timeout": ms} if server_limits else {}
@@ -105,7 +119,53 @@ class _PostgresOnConnect:
         ]
         if added and "options=" not in conninfo:
             cparams["options"] = " ".join([options, *added]).strip()
-        return _bounded_connection_class().connect(*cargs, **cparams)
+        left = time_left()
+        limit = self.timeout if left is None else min(self.timeout, left)
+        if "connect_timeout" in cparams or "connect_timeout=" in conninfo:
+            return _bounded_connection_class().connect(*cargs, **cparams)  # the caller's
+        cparams["connect_timeout"] = max(LIBPQ_SHORTEST_CONNECT, math.floor(limit))
+        if limit >= LIBPQ_SHORTEST_CONNECT or (
+            unpatched.green_library() is not None and unpatched.in_main_os_thread()
+        ):
+            return _bounded_connection_class().connect(*cargs, **cparams)
+        return _connect_within(limit, cargs, cparams)
+
+
+def _connect_within(seconds: float, cargs: list[Any], cparams: dict[str, Any]) -> Any:
+    """A bounded connection made on a thread of its own, if it comes within
+    ``seconds``; one that comes later is closed.
+
+    Raises:
+        psycopg.errors.ConnectionTimeout: it did not come in time.
+    """
+    import psycopg
+
+    outcome: list[Any] = []
+    guard = unpatched.lock()
+
+    def connect() -> None:
+        try:
+            made: Any = _bounded_connection_class().connect(*cargs, **cparams)
+        except BaseException as error:  # handed to the caller
+            made = error
+        with guard:
+            if outcome:  # the caller gave up on it
+                if not isinstance(made, BaseException):
+                    made.close()
+                return
+            outcome.append(made)
+
+    thread = unpatched.start_thread(connect, name="celery-leases-connect")
+    thread.join(seconds)
+    with guard:
+        if not outcome:
+            outcome.append(None)
+            raise psycopg.errors.ConnectionTimeout(
+                f"connection timeout expired: no connection within {seconds:.3g} s"
+            )
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 #: engines whose connections are bounded already

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.acceptance.app import ECHO, HOG, WATCH
+from tests.acceptance.app import HOG, WATCH
 from tests.acceptance.conftest import Cluster
 from tests.proxy import Proxy
 from tests.servers import RedisServer
@@ -49,27 +49,3 @@ def test_a_lease_outlives_tasks_that_hold_every_store_connection(
     store_proxy.heal()
     assert cluster.side.events(watched.id, "lost") == []
     assert "could not renew" not in worker.log()
-
-
-#: a threads worker with more threads than redis-py's default pool (100)
-WIDE = 110
-
-
-def test_a_threads_worker_wider_than_the_default_pool_claims_every_task_at_once(
-    cluster: Cluster, store_proxy: Proxy
-) -> None:
-    # every thread claims at once through a slowed link, so every claim holds
-    # a connection at the same time: the store's pool must have one per
-    # thread, or the claims beyond it are deferred as if the store were down
-    store = re.sub(r":\d+/", f":{store_proxy.port}/", cluster.config.store, count=1)
-    assert "max_connections" not in cluster.config.store_options
-    cluster.configure(ttl=60)  # a claim slowed this much is far from its deadline
-    worker = cluster.worker("a", pool="threads", concurrency=WIDE, store=store)
-    store_proxy.delay(0.2)
-    results = [cluster.send(ECHO, n) for n in range(WIDE)]
-    answers = [result.get(timeout=120) for result in results]
-    store_proxy.heal()
-    assert sorted(answer["value"] for answer in answers) == list(range(WIDE))
-    assert [a for a in answers if a["deferrals"]] == []
-    assert "lease store unavailable at claim" not in worker.log()
-    assert f"max_connections={WIDE + 8}" in worker.log()

@@ -425,13 +425,13 @@ def test_close_disposes_only_an_engine_the_store_created(sqlite_url: str) -> Non
 
 def test_forked_child_does_not_reuse_the_parents_connections(sql_store: SqlStore) -> None:
     _acquire(sql_store, "parent")
-    assert sql_store.calls_engine.pool.checkedin() == 1  # type: ignore[attr-defined]
+    assert sql_store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, never return into pytest
         code = 1
         try:
-            fresh_pool = sql_store.calls_engine.pool.checkedin() == 0  # type: ignore[attr-defined]
+            fresh_pool = sql_store.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
             works = isinstance(sql_store.claim("child", B, 10), Acquired)
             code = 0 if fresh_pool and works else 2
         finally:
@@ -782,7 +782,7 @@ def test_renew_many_mixes_renewals_and_refusals_in_request_order(sql_store: SqlS
 def test_renew_many_is_one_statement_when_nothing_is_refused(sql_store: SqlStore) -> None:
     leases = [_acquire(sql_store, f"job-{n}") for n in range(50)]
     requests = [RenewRequest(a.job_id, A, a.generation, 10) for a in leases]
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         results = sql_store.renew_many(requests)
     assert all(isinstance(r, Renewed) for r in results)
     assert len(log.statements) == _statements(sql_store, mysql=2, other=1)
@@ -793,7 +793,7 @@ def test_renew_many_adds_one_select_when_something_is_refused(sql_store: SqlStor
     leases = [_acquire(sql_store, f"job-{n}") for n in range(20)]
     requests = [RenewRequest(a.job_id, A, a.generation, 10) for a in leases]
     requests += [RenewRequest(a.job_id, B, a.generation, 10) for a in leases[:5]]
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         results = sql_store.renew_many(requests)
     assert sum(isinstance(r, Refusal) for r in results) == 5
     assert len(log.statements) == 2
@@ -804,7 +804,7 @@ def test_renew_many_adds_one_select_when_something_is_refused(sql_store: SqlStor
 
 
 def test_single_operations_are_one_statement_when_they_succeed(sql_store: SqlStore) -> None:
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         acquired = _acquire(sql_store, "job")
         sql_store.renew("job", A, acquired.generation, 10)
         sql_store.complete("job", A, acquired.generation)
@@ -854,11 +854,11 @@ def test_operations_run_statements_built_once_from_the_compiled_cache(
     # Building a statement costs more Python than its round trip, so each is
     # built once per store and found in the engine's compiled cache after.
     # (A listener sends every statement through Core: the warm-up listens too.)
-    with CompiledLog(sql_store.calls_engine):
+    with CompiledLog(sql_store.engine):
         _every_operation(sql_store, "warm-up")
-    with CompiledLog(sql_store.calls_engine) as first:
+    with CompiledLog(sql_store.engine) as first:
         _every_operation(sql_store, "job-1")
-    with CompiledLog(sql_store.calls_engine) as second:
+    with CompiledLog(sql_store.engine) as second:
         _every_operation(sql_store, "job-2")
     assert len(first.runs) == len(second.runs) >= 12
     assert all(a is b for (a, _), (b, _) in zip(first.runs, second.runs, strict=True))
@@ -873,7 +873,7 @@ def test_claim_over_a_run_out_lease_is_a_takeover_in_one_statement(sql_store: Sq
     deadline = time.monotonic() + 10
     while sql_store.now_ms() <= first.lease_until_ms + 20 and time.monotonic() < deadline:
         time.sleep(0.02)
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         second = _acquire(sql_store, "job", owner=B)
     assert len(log.statements) == _statements(sql_store, mysql=3, other=1)
     assert second.generation == max(first.generation + 1, second.store_now_ms)
@@ -886,7 +886,7 @@ def test_claim_over_a_run_out_lease_is_a_takeover_in_one_statement(sql_store: Sq
 
 def test_claim_of_held_or_completed_job_adds_one_select(sql_store: SqlStore) -> None:
     acquired = _acquire(sql_store, "job")
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         held = sql_store.claim("job", B, 10)
     assert isinstance(held, HeldElsewhere)
     assert held.holder == A
@@ -906,7 +906,7 @@ def test_records_are_paged_in_job_id_order(
     leases = {f"job-{n:02}": _acquire(sql_store, f"job-{n:02}") for n in range(10)}
     for job_id in ("job-01", "job-04", "job-07"):
         sql_store.complete(job_id, A, leases[job_id].generation)
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         every = [r.job_id for r in sql_store.records()]
     assert every == sorted(leases)
     assert len(log.statements) == 4  # pages of 3, 3, 3 and 1
@@ -922,7 +922,7 @@ def test_purge_is_one_delete_with_the_memory_store_conditions(sql_store: SqlStor
     sql_store.complete("old", A, old.generation)
     sql_store.complete("young", A, young.generation)
     _backdate_completion(sql_store, "old", seconds=120)
-    with StatementLog(sql_store.calls_engine) as log:
+    with StatementLog(sql_store.engine) as log:
         assert sql_store.purge_completed(60) == 1
     assert len(log.statements) == 1
     assert log.statements[0].lstrip().upper().startswith("DELETE")
@@ -1140,39 +1140,66 @@ def test_postgresql_calls_are_one_round_trip_each(
 
 
 @pytest.mark.postgres
-def test_postgresql_calls_run_on_connections_made_in_autocommit(
+def test_postgresql_calls_run_in_autocommit_and_the_engine_keeps_transactions(
     postgres_server: PostgresServer, table_name: str
 ) -> None:
-    # no isolation level is set and reset around each call; the public
-    # engine keeps transactions for the DDL, fenced transactions and users
+    # one engine: the store's calls run in autocommit (an execution option
+    # of their connections); the engine keeps transactions for the DDL,
+    # fenced transactions and its other users
     store = SqlStore.from_url(postgres_server.url, table_name=table_name)
-    switches: list[object] = []
+    autocommit: list[bool] = []
+
+    def seen(conn: Any, *_: Any) -> None:
+        autocommit.append(conn.connection.dbapi_connection.autocommit)
+
     try:
-        assert store.calls_engine is not store.engine
-        event.listen(
-            store.calls_engine, "set_connection_execution_options", lambda *a: switches.append(a)
-        )
+        event.listen(store.engine, "before_cursor_execute", seen)
         job = _acquire(store, "job")
         store.renew("job", A, job.generation, 10)
         store.complete("job", A, job.generation)
         assert store.get("job") is not None
-        assert switches == []
-        with store.calls_engine.connect() as conn:
-            assert conn.connection.dbapi_connection.autocommit is True  # type: ignore[union-attr]
+        event.remove(store.engine, "before_cursor_execute", seen)
+        assert autocommit
+        assert all(autocommit)
         with store.engine.connect() as conn:
             assert conn.connection.dbapi_connection.autocommit is False  # type: ignore[union-attr]
             conn.execute(sa.text("SELECT 1"))
             assert conn.in_transaction()
     finally:
         store.close()
-    assert store.calls_engine.pool.checkedin() == 0  # type: ignore[attr-defined]
     assert store.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
 
 
-def test_a_store_on_an_engine_of_its_caller_runs_its_calls_there(sqlite_url: str) -> None:
-    engine = sa.create_engine(sqlite_url)
+class Stop(BaseException):
+    """Not an error of the driver: an exit, or a green library's timeout."""
+
+
+@pytest.mark.postgres
+def test_a_statement_interrupted_mid_way_leaves_its_connection_out_of_the_pool(
+    postgres_server: PostgresServer, table_name: str
+) -> None:
+    import psycopg
+
+    class Interrupted(psycopg.Cursor[Any]):
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            raise Stop
+
+    used: list[Any] = []
+
+    def interrupting(dbapi_connection: Any, *_: Any) -> None:
+        dbapi_connection.cursor_factory = Interrupted
+        used.append(dbapi_connection)
+
+    store = SqlStore.from_url(postgres_server.url, table_name=table_name)
     try:
-        store = SqlStore(engine)
-        assert store.calls_engine is engine
+        event.listen(store.engine.pool, "checkout", interrupting)
+        try:
+            with pytest.raises(Stop):
+                store.claim("job", A, 30)
+        finally:
+            event.remove(store.engine.pool, "checkout", interrupting)
+        assert used
+        assert used[-1].closed  # SQLAlchemy invalidated it
+        assert isinstance(store.claim("job", A, 30), Acquired)  # on a fresh connection
     finally:
-        engine.dispose()
+        store.close()

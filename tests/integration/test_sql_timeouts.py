@@ -9,13 +9,19 @@ store's own bound on each wait can.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.pool import Pool
 
 from celery_leases import Acquired, Completed, Released, Renewed, RenewRequest, StoreUnavailable
 from celery_leases.stores.deadline import bounded
@@ -224,3 +230,139 @@ def test_a_statement_waiting_on_a_row_lock_ends_at_the_servers_limit(
     finally:
         store.close()
         blocker.dispose()
+
+
+# --- a frozen server: every wait ends by the caller's deadline ------------------
+
+#: how late past its deadline a call may return on a loaded machine (the
+#: waits end on time; a new MariaDB connection first spends CPU: PyMySQL
+#: builds a TLS context for it, about 30 ms)
+LATE = 1.0
+
+
+def _server_pids(server: PostgresServer | MariadbServer) -> list[int]:
+    """The processes of ``server``: MariaDB's one, PostgreSQL's postmaster and its children."""
+    if isinstance(server, MariadbServer):
+        assert server.proc is not None
+        return [server.proc.pid]
+    postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            if int(stat.rpartition(")")[2].split()[1]) == postmaster:
+                children.append(int(entry.name))
+    return [postmaster, *children]
+
+
+@contextlib.contextmanager
+def frozen(server: PostgresServer | MariadbServer) -> Iterator[None]:
+    """``server`` stopped with SIGSTOP inside: its port accepts connections
+    (the kernel does) and nothing answers. Resumed with SIGCONT after."""
+    stopped: list[int] = []
+    try:
+        for pid in _server_pids(server):
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+
+#: the deadlines of the reading threads: 15 hold every connection of the
+#: pool, then 5 more wait for one
+HOLDERS, WAITERS = [2.0] * 15, [0.5, 0.5, 0.5, 1.0, 1.0]
+
+
+def test_twenty_threads_reading_a_frozen_server_each_return_by_their_deadline(
+    database: PostgresServer | MariadbServer, unique: str
+) -> None:
+    # a pool of 15, all connected before the freeze as in a running worker;
+    # 15 reads hold its connections, 5 more wait for one, and every wait
+    # ends by the thread's own deadline (the store's limit, 3 s, is later)
+    store = SqlStore.from_url(
+        database.url, table_name=f"leases_{unique}", timeout=3.0, pool_size=15, max_overflow=0
+    )
+    deadlines = HOLDERS + WAITERS
+    took: list[float | None] = [None] * len(deadlines)
+    results: list[object] = [None] * len(deadlines)
+    readers: set[int] = set()
+    checked_out: list[int] = []
+    holding = threading.Event()
+
+    def count(*_: object) -> None:
+        if threading.get_ident() in readers:
+            checked_out.append(1)
+            if len(checked_out) == len(HOLDERS):
+                holding.set()
+
+    def read(n: int) -> None:
+        readers.add(threading.get_ident())
+        began = time.monotonic()
+        try:
+            with bounded(deadlines[n]):
+                results[n] = store.get("job")
+        except BaseException as error:  # handed to the test
+            results[n] = error
+        took[n] = time.monotonic() - began
+
+    threads = [threading.Thread(target=read, args=(n,), daemon=True) for n in range(20)]
+    event.listen(Pool, "checkout", count)  # every pool's: the store's own
+    try:
+        assert isinstance(store.claim("job", A, 60), Acquired)
+        with contextlib.ExitStack() as connections:
+            for _ in range(15):
+                connections.enter_context(store.engine.connect())
+        with frozen(database):
+            for thread in threads[: len(HOLDERS)]:
+                thread.start()
+            assert holding.wait(HUNG), "the holders never took the pool's connections"
+            for thread in threads[len(HOLDERS) :]:
+                thread.start()
+            for thread in threads:
+                thread.join(HUNG)
+        odd = [result for result in results if not isinstance(result, StoreUnavailable)]
+        assert not odd, [(type(result), str(result)[:300]) for result in odd]
+        late = [
+            (deadline, seconds)
+            for deadline, seconds in zip(deadlines, took, strict=True)
+            if seconds is None or seconds > deadline + LATE
+        ]
+        assert not late, f"(deadline, seconds taken) of the late calls: {late}"
+        # resumed, the same store carries on
+        record = store.get("job")
+        assert record is not None
+        assert record.owner == A
+    finally:
+        event.remove(Pool, "checkout", count)
+        store.close()
+
+
+def test_a_renewal_given_one_second_on_a_fresh_connection_returns_in_about_one_second(
+    database: PostgresServer | MariadbServer, unique: str
+) -> None:
+    # the store's limit on each wait is 3 s; the caller's deadline is sooner
+    table = f"leases_{unique}"
+    claimer = SqlStore.from_url(database.url, table_name=table)
+    store = SqlStore.from_url(database.url, table_name=table, create_table=False, timeout=3.0)
+    try:
+        acquired = claimer.claim("job", A, 60)
+        assert isinstance(acquired, Acquired)
+        store.engine.dispose()  # the renewal connects
+
+        def renew_within_one_second() -> object:
+            with bounded(1.0):
+                return store.renew("job", A, acquired.generation, 60)
+
+        with frozen(database):
+            took, result = timed(renew_within_one_second)
+        assert isinstance(result, StoreUnavailable), result
+        assert took < 1.0 + LATE
+        assert isinstance(store.renew("job", A, acquired.generation, 60), Renewed)
+    finally:
+        store.close()
+        claimer.close()

@@ -81,7 +81,8 @@ def test_options_it_cannot_replace_are_named_in_a_warning() -> None:
         ("redis://127.0.0.1:1/0", "prefork", 500),  # a task per child process
         ("redis://127.0.0.1:1/0", "solo", 1),
         ("redis://127.0.0.1:1/0", "threads", 100 - SPARE_CONNECTIONS),  # fits the default
-        ("postgresql+psycopg://u@127.0.0.1:1/leases", "threads", 500),  # a pool that waits
+        ("postgresql+psycopg://u@127.0.0.1:1/leases", "prefork", 500),
+        ("postgresql+psycopg://u@127.0.0.1:1/leases", "threads", 15 - SPARE_CONNECTIONS),
         ("memory://", "threads", 500),
     ],
 )
@@ -153,3 +154,49 @@ def test_a_pool_patched_by_gevent_counts_as_one_process(
     monkeypatch.setattr("celery_leases.unpatched.green_library", lambda: "gevent")
     size_task_pool(app, "<class 'proj.pools.Pool'>", 500)
     assert app.conf.leases_store_options["max_connections"] == 500 + SPARE_CONNECTIONS
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://u@127.0.0.1:1/leases",
+        "mariadb+pymysql://u@127.0.0.1:1/leases",
+        "sqlite:///leases.db",
+    ],
+)
+@pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])
+def test_a_one_process_pool_wider_than_sqlalchemy_s_pool_widens_it(
+    app: Celery, url: str, pool: str
+) -> None:
+    app.conf.leases_store = url
+    assert size_task_pool(app, pool, 20) is None
+    assert dict(app.conf.leases_store_options) == {
+        "prefix": "x:",
+        "pool_size": 20 + SPARE_CONNECTIONS,
+    }
+    assert settings_for(app).store_options["pool_size"] == 20 + SPARE_CONNECTIONS
+
+
+@pytest.mark.parametrize(
+    ("options", "warned"),
+    [
+        ({"pool_size": 5}, "holds 15 connections"),
+        ({"max_overflow": 0}, "holds 5 connections"),
+        ({"pool_size": 10, "max_overflow": 5}, "holds 15 connections"),
+        ({"pool_size": 30, "max_overflow": 0}, None),
+        ({"max_overflow": -1}, None),  # no limit
+    ],
+)
+def test_a_sql_pool_the_user_sized_is_kept_and_one_too_small_named(
+    app: Celery, options: dict[str, int], warned: str | None
+) -> None:
+    app.conf.leases_store = "postgresql+psycopg://u@127.0.0.1:1/leases"
+    app.conf.leases_store_options = options
+    warning = size_task_pool(app, "threads", 20)
+    if warned is None:
+        assert warning is None
+    else:
+        assert warning is not None
+        assert warned in warning
+        assert "below the worker's concurrency (20)" in warning
+    assert dict(app.conf.leases_store_options) == options
