@@ -380,14 +380,18 @@ class _InFlight:
         """Move message file ``name`` from the queue into this folder; its new
         path, or None when another consumer took it first."""
         path = os.path.join(self.folder, name)
+        waiting = os.path.join(self.queue_folder, name)
+        # when it was taken, by the folder's clock: the visibility timeout
+        # runs from here. Stamped before the move, so that no sweep finds it
+        # in this folder with the time it waited in the queue (a backlog
+        # older than the timeout would be put back as it is being read)
+        with contextlib.suppress(OSError):  # taken by another consumer: the rename fails
+            os.utime(waiting)
         try:
             # the rename decides which consumer has it
-            os.rename(os.path.join(self.queue_folder, name), path)
+            os.rename(waiting, path)
         except OSError:
             return None
-        # when it was taken, by the folder's clock: the visibility timeout runs from here
-        with contextlib.suppress(OSError):
-            os.utime(path)
         return path
 
     def put_back(self, name: str) -> None:
@@ -553,6 +557,12 @@ class Channel(filesystem.Channel):
                 with contextlib.suppress(OSError):
                     shutil.move(taken, bad)
                 logger.error("message file %s never became whole: left as %s", name, bad)
+                continue
+            except FileNotFoundError:
+                # put back by a sweep while this consumer was stopped, after
+                # its take, for longer than the visibility timeout: the
+                # message is in the queue again, and no longer this one's
+                logger.warning("message file %s was put back before it was read", name)
                 continue
             except OSError as exc:
                 place.put_back(name)
