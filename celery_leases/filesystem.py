@@ -73,6 +73,7 @@ from queue import Empty
 from typing import IO, Any, cast
 
 from kombu.exceptions import ChannelError
+from kombu.exceptions import ConnectionError as BrokerConnectionError
 from kombu.transport import filesystem
 from kombu.utils import json as kombu_json
 
@@ -499,10 +500,24 @@ class Channel(filesystem.Channel):
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
 
     def _in_flight(self) -> _InFlight:
+        """The connection's in-flight folder, made before its first take.
+
+        Raises:
+            kombu.exceptions.ConnectionError: it cannot be made (a full disk,
+                a folder that cannot be written). Nothing was taken, and the
+                worker reconnects and tries again, as with a broker that is
+                down, instead of stopping on an error it cannot recover from.
+        """
         transport = cast("Transport", self.connection)
-        return transport.in_flight_folder(
-            self.data_folder_in, self.processed_folder if self.store_processed else None
-        )
+        try:
+            return transport.in_flight_folder(
+                self.data_folder_in, self.processed_folder if self.store_processed else None
+            )
+        except OSError as exc:
+            raise BrokerConnectionError(
+                f"cannot make an in-flight folder in {self.data_folder_in!r} to take messages "
+                f"into: {exc}"
+            ) from exc
 
     def _held(self) -> _InFlight | None:
         """The connection's in-flight folder, if it has taken a message."""

@@ -696,6 +696,27 @@ def test_a_message_put_back_before_its_consumer_read_it_is_skipped_not_fatal(
     assert _waiting(options) == _in_flight(options) == []
 
 
+def test_an_in_flight_folder_that_cannot_be_made_is_a_connection_error(tmp_path: Path) -> None:
+    # nothing can be made where the in-flight folders go (here a file in
+    # their place; a full disk does the same): the consumer takes nothing
+    # and raises an error Celery's consumer recovers from by reconnecting,
+    # then consumes once the folder can be made
+    options = _options(tmp_path)
+    [name] = _publish(options, 1)
+    blocker = Path(options["data_folder_in"]) / whole_files.IN_FLIGHT_FOLDER
+    blocker.write_bytes(b"")
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        with pytest.raises(connection.connection_errors, match="in-flight folder"):
+            queue.get(timeout=5)
+        assert _waiting(options) == [name]
+        blocker.unlink()
+        message = queue.get(timeout=5)
+        assert message.payload == {"number": 1}
+        message.ack()
+    assert os.listdir(tmp_path / "processed") == [name]
+
+
 @pytest.mark.parametrize("value", [0, -1, "soon", True])
 def test_a_visibility_timeout_that_is_not_a_positive_number_is_refused(
     tmp_path: Path, value: object
