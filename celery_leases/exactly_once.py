@@ -581,21 +581,25 @@ def _opened(bind: Bind) -> Iterator[OpenTransaction]:
 
 @contextlib.contextmanager
 def _one_connection(session: Session, connection: Connection) -> Iterator[Callable[[], None]]:
-    """Watch the connections ``session`` begins in the block; the check made
-    after its flush raises if one is not ``connection``, the lock's.
+    """Watch the connections ``session`` begins in the block: one that is not
+    ``connection``, the lock's, is refused as it begins, and again by the
+    check made after the block's flush (for code that caught the first).
 
     A session whose ``binds=`` send some classes or tables to another engine
     writes them on a connection of their own, which commits apart from the
-    completion (and may fail alone): refused before the completion.
+    completion (and may fail alone): refused before anything commits, also
+    when the write comes from a ``before_commit`` hook, flushed by the commit
+    itself after the check (the refusal then fails the commit's flush).
 
     Raises:
-        LeaseConfigurationError: (from the check) another connection was used.
+        LeaseConfigurationError: another connection was begun, or was used.
     """
     others: list[Connection] = []
 
     def begun(_session: Session, _transaction: Any, begun_connection: Connection) -> None:
         if begun_connection is not connection:
             others.append(begun_connection)
+            check()
 
     def check() -> None:
         if others:

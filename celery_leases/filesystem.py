@@ -73,6 +73,7 @@ from queue import Empty
 from typing import IO, Any, cast
 
 from kombu.exceptions import ChannelError
+from kombu.exceptions import ConnectionError as BrokerConnectionError
 from kombu.transport import filesystem
 from kombu.utils import json as kombu_json
 
@@ -380,14 +381,18 @@ class _InFlight:
         """Move message file ``name`` from the queue into this folder; its new
         path, or None when another consumer took it first."""
         path = os.path.join(self.folder, name)
+        waiting = os.path.join(self.queue_folder, name)
+        # when it was taken, by the folder's clock: the visibility timeout
+        # runs from here. Stamped before the move, so that no sweep finds it
+        # in this folder with the time it waited in the queue (a backlog
+        # older than the timeout would be put back as it is being read)
+        with contextlib.suppress(OSError):  # taken by another consumer: the rename fails
+            os.utime(waiting)
         try:
             # the rename decides which consumer has it
-            os.rename(os.path.join(self.queue_folder, name), path)
+            os.rename(waiting, path)
         except OSError:
             return None
-        # when it was taken, by the folder's clock: the visibility timeout runs from here
-        with contextlib.suppress(OSError):
-            os.utime(path)
         return path
 
     def put_back(self, name: str) -> None:
@@ -495,10 +500,24 @@ class Channel(filesystem.Channel):
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
 
     def _in_flight(self) -> _InFlight:
+        """The connection's in-flight folder, made before its first take.
+
+        Raises:
+            kombu.exceptions.ConnectionError: it cannot be made (a full disk,
+                a folder that cannot be written). Nothing was taken, and the
+                worker reconnects and tries again, as with a broker that is
+                down, instead of stopping on an error it cannot recover from.
+        """
         transport = cast("Transport", self.connection)
-        return transport.in_flight_folder(
-            self.data_folder_in, self.processed_folder if self.store_processed else None
-        )
+        try:
+            return transport.in_flight_folder(
+                self.data_folder_in, self.processed_folder if self.store_processed else None
+            )
+        except OSError as exc:
+            raise BrokerConnectionError(
+                f"cannot make an in-flight folder in {self.data_folder_in!r} to take messages "
+                f"into: {exc}"
+            ) from exc
 
     def _held(self) -> _InFlight | None:
         """The connection's in-flight folder, if it has taken a message."""
@@ -553,6 +572,12 @@ class Channel(filesystem.Channel):
                 with contextlib.suppress(OSError):
                     shutil.move(taken, bad)
                 logger.error("message file %s never became whole: left as %s", name, bad)
+                continue
+            except FileNotFoundError:
+                # put back by a sweep while this consumer was stopped, after
+                # its take, for longer than the visibility timeout: the
+                # message is in the queue again, and no longer this one's
+                logger.warning("message file %s was put back before it was read", name)
                 continue
             except OSError as exc:
                 place.put_back(name)

@@ -425,13 +425,16 @@ def test_a_connection_lost_at_the_commit_is_judged_by_the_record(
     assert (record.state, record.generation) == (LeaseState.COMPLETED, generation)
 
 
+@pytest.mark.parametrize("writer", ["block", "before_commit"])
 def test_a_session_writing_through_a_second_bind_is_refused(
-    app: Celery, engine: sa.Engine, unique: str, tmp_path: Path, recorder: Recorder
+    app: Celery, engine: sa.Engine, unique: str, tmp_path: Path, recorder: Recorder, writer: str
 ) -> None:
     """``Session(bind=store_db, binds={Invoice: other_db})``: the invoice
     would commit on a connection of its own, apart from the completion (and
-    could fail alone). The block is refused before its completion, and
-    nothing is written on either database."""
+    could fail alone). Written in the block, it is refused before the
+    completion; added by a ``before_commit`` hook, it is flushed by the
+    commit itself, after that check, and refused there. Nothing is written
+    on either database."""
 
     class Base(DeclarativeBase):
         pass
@@ -454,10 +457,13 @@ def test_a_session_writing_through_a_second_bind_is_refused(
     def bill(self: LeasedTask) -> str:
         job_id = self.lease.job_id
         with Session(bind=engine, binds={Invoice: other}) as session:
+            if writer == "before_commit":
+                sa.event.listen(session, "before_commit", lambda s: s.add(Invoice(job_id=job_id)))
             try:
                 with exactly_once(self, session) as tx:
                     session.add(Ledger(job_id=job_id))
-                    session.add(Invoice(job_id=job_id))
+                    if writer == "block":
+                        session.add(Invoice(job_id=job_id))
                     return tx.complete("billed")
             except LeaseConfigurationError as error:
                 recorder.add("error", str(error))

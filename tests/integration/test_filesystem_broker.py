@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -615,6 +615,106 @@ def test_a_message_held_past_the_visibility_timeout_goes_to_another_consumer(
         again.ack()
     assert os.listdir(tmp_path / "processed") == [name]
     assert _waiting(options) == _in_flight(options) == []
+
+
+def _after_each_take(
+    monkeypatch: pytest.MonkeyPatch, step: Callable[[str, str], None], *, times: int
+) -> list[str]:
+    """Run ``step(path, queue_folder)`` right after the first ``times`` renames
+    of a message file into an in-flight folder (a take): what another process
+    does while the consumer is paused there. The paths it ran on."""
+    rename = os.rename
+    seen: list[str] = []
+
+    def renamed(source: Any, target: Any) -> None:
+        rename(source, target)
+        path = str(target)
+        folder = os.path.dirname(path)
+        if (
+            len(seen) < times
+            and path.endswith(".msg")
+            and os.path.basename(os.path.dirname(folder)) == whole_files.IN_FLIGHT_FOLDER
+        ):
+            seen.append(path)
+            step(path, os.path.dirname(os.path.dirname(folder)))
+
+    monkeypatch.setattr(os, "rename", renamed)
+    return seen
+
+
+def test_a_message_that_waited_past_the_visibility_timeout_is_not_put_back_as_it_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a backlog older than the visibility timeout (the workers were down):
+    # a sweep in the moment right after a take must judge the message by
+    # when it was taken, not by when it was published, or it puts it back
+    # under the consumer that is reading it
+    options = {**_options(tmp_path), "visibility_timeout": 60}
+    [name] = _publish(options, 1)
+    old = time.time() - 3600
+    os.utime(Path(options["data_folder_in"]) / name, (old, old))
+
+    waiting_after_sweep: list[list[str]] = []
+
+    def sweep(path: str, queue_folder: str) -> None:
+        with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as other:
+            other.default_channel  # noqa: B018 - opening a channel sweeps the folder
+        waiting_after_sweep.append(_waiting(options))
+
+    swept = _after_each_take(monkeypatch, sweep, times=1)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        message = connection.SimpleQueue(_queue(options)).get(timeout=5)
+        assert [os.path.basename(path) for path in swept] == [name]
+        assert waiting_after_sweep == [[]]  # the sweep left it with its consumer
+        assert message.payload == {"number": 1}
+        assert [held.split("/")[1] for held in _in_flight(options)] == [name]
+        assert _waiting(options) == []
+        message.ack()
+    assert os.listdir(tmp_path / "processed") == [name]
+
+
+def test_a_message_put_back_before_its_consumer_read_it_is_skipped_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a consumer paused (SIGSTOP, a suspended VM) between its take and its
+    # read for longer than the visibility timeout finds the file gone: put
+    # back by another's sweep. It goes on polling (an error here would stop
+    # the worker's consumer) and takes the message when it comes round.
+    options = _options(tmp_path)
+    [name] = _publish(options, 1)
+
+    def put_back(path: str, queue_folder: str) -> None:
+        os.rename(path, os.path.join(queue_folder, os.path.basename(path)))
+
+    taken = _after_each_take(monkeypatch, put_back, times=1)
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        message = connection.SimpleQueue(_queue(options)).get(timeout=10)
+        assert [os.path.basename(path) for path in taken] == [name]
+        assert message.payload == {"number": 1}
+        message.ack()
+    assert os.listdir(tmp_path / "processed") == [name]
+    assert _waiting(options) == _in_flight(options) == []
+
+
+def test_an_in_flight_folder_that_cannot_be_made_is_a_connection_error(tmp_path: Path) -> None:
+    # nothing can be made where the in-flight folders go (here a file in
+    # their place; a full disk does the same): the consumer takes nothing
+    # and raises an error Celery's consumer recovers from by reconnecting,
+    # then consumes once the folder can be made
+    options = _options(tmp_path)
+    [name] = _publish(options, 1)
+    blocker = Path(options["data_folder_in"]) / whole_files.IN_FLIGHT_FOLDER
+    blocker.write_bytes(b"")
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as connection:
+        queue = connection.SimpleQueue(_queue(options))
+        with pytest.raises(connection.connection_errors, match="in-flight folder"):
+            queue.get(timeout=5)
+        assert _waiting(options) == [name]
+        blocker.unlink()
+        message = queue.get(timeout=5)
+        assert message.payload == {"number": 1}
+        message.ack()
+    assert os.listdir(tmp_path / "processed") == [name]
 
 
 @pytest.mark.parametrize("value", [0, -1, "soon", True])
