@@ -14,7 +14,6 @@ Timeline (visibility timeout 3 s, TTL 2 s, body 8 s)::
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from celery.result import AsyncResult
@@ -57,10 +56,24 @@ def test_visibility_duplicates_are_deferred_and_a_killed_holders_job_runs_once(
     assert value["generation"] == record.generation
     assert value["worker"].startswith(f"{worker_b.name}@")
     # B's acknowledgement of the copy it deferred deleted the message on
-    # SQS; whatever copy is left is skipped: none runs the body again
-    time.sleep(3.0 + 2.0 + 2.0)
+    # SQS; whatever copy is left is skipped: none runs the body again. Once
+    # the queue holds no message (waiting, in flight or delayed), none can.
+    wait_until(lambda: _messages_left(cluster) == 0, timeout=60, message="an empty queue on SQS")
     assert cluster.side.done_count(result.id) == 1
     assert len(cluster.side.events(result.id, "start")) == 2
+
+
+def _messages_left(cluster: Cluster) -> int:
+    """How many messages the test's queue on SQS holds: waiting, received
+    and not yet deleted, or delayed."""
+    kinds = ["", "NotVisible", "Delayed"]
+    with cluster.client.connection_for_read() as connection:
+        sqs = connection.default_channel.sqs()
+        queue = connection.default_channel.canonical_queue_name(cluster.config.queue)
+        url = sqs.get_queue_url(QueueName=queue)["QueueUrl"]
+        counts = [f"ApproximateNumberOfMessages{kind}" for kind in kinds]
+        found = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=counts)["Attributes"]
+    return sum(int(found[count]) for count in counts)
 
 
 def _make_queue(cluster: Cluster, visibility_timeout: int) -> None:
