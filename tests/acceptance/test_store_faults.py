@@ -56,14 +56,18 @@ def test_a_black_holed_store_stops_effects_before_another_worker_can_claim(
 ) -> None:
     """The renewal hangs (socket open, no reply, a 5 s client timeout): the
     deadline still stops the body, before the store lets anyone else in."""
-    cluster.configure(ttl=TTL, on_lost=on_lost)
-    cluster.worker("a", pool=pool, store=proxied(cluster, store_proxy))
+    cluster.configure(ttl=TTL, on_lost=on_lost, timed_endings=True)
+    worker = cluster.worker("a", pool=pool, store=proxied(cluster, store_proxy))
     result = cluster.send(EFFECTS, 30.0)
     cluster.side.wait_event(result.id, "effect", timeout=30, count=5)
     store_proxy.blackhole()
     blackholed = time.time()
     claimed = claim_when_free(cluster, result.id, timeout=TTL + 10)
-    time.sleep(1.0)  # any effect still coming would show up by now
+    # the stale body has ended: no effect can come after this
+    if on_lost == "stop":
+        worker.wait_for_log(r"signal 9 \(SIGKILL\)", timeout=30)  # its process is gone
+    else:
+        cluster.side.wait_event(result.id, "fenced-out", timeout=30)  # interrupted
     effects = [event["at"] for event in cluster.side.events(result.id, "effect")]
     assert max(effects) < claimed, "the stale run produced an effect after another claimed"
     assert max(effects) < blackholed + TTL  # by its own local deadline

@@ -3,7 +3,7 @@ without a lease."""
 
 from __future__ import annotations
 
-import time
+import re
 
 from celery_leases import LeaseState
 from tests.acceptance.app import STEPS
@@ -22,8 +22,12 @@ def test_store_down_at_claim_defers_job_until_store_is_back(
 
     result = cluster.send(STEPS, 0.2)
     worker.wait_for_log(r"lease store unavailable at claim", timeout=20)
-    # deferred, not run without a lease, not dropped
-    time.sleep(1.0)
+    # deferred, not run without a lease, not dropped: its copy comes back and
+    # is deferred again
+    worker.wait_for_log(
+        rf"\[{re.escape(result.id)}\]: lease store unavailable at claim .*\(deferral 2\)",
+        timeout=30,
+    )
     assert cluster.side.events(result.id, "start") == []
     assert not result.ready()
 

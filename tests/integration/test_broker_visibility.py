@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,14 +50,41 @@ def _app(url: str, unique: str, **transport_options: Any) -> Celery:
     return app
 
 
-def _lease(job_id: str) -> Lease:
+def _lease(job_id: str, kind: type[Lease] = Lease) -> Lease:
     store = MemoryStore()
     claim = store.claim(job_id, "host:1:abc", TIMING.ttl, task_name="job")
-    return Lease(
+    return kind(
         job_id=job_id, owner="host:1:abc", generation=claim.generation,
         lease_until_ms=claim.lease_until_ms, store=store, started_at=time.monotonic(),
         timing=TIMING, task_name="job",
     )  # fmt: skip
+
+
+class _Marker(Lease):
+    """A lease that reads as lost (the extender skips it, asking the broker
+    nothing) and notes when the extender looks at it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.looked_at = threading.Event()
+
+    @property
+    def lost(self) -> bool:
+        self.looked_at.set()
+        return True
+
+
+def _handled_so_far(extender: Extender, app: Celery) -> None:
+    """Wait until the extender has handled every request made before this call.
+
+    Its one thread handles requests in the order they came: once it has
+    looked at a marker requested now, it has handled all of them.
+    """
+    marker = _lease("marker", _Marker)
+    assert isinstance(marker, _Marker)
+    extender.watch(marker, app, Delivery("marker"))
+    assert marker.looked_at.wait(timeout=10), "the extender never reached the marker"
+    extender.forget(marker)
 
 
 class Unacked:
@@ -192,7 +220,7 @@ def test_an_acknowledged_message_is_not_written_back(
     assert message.score() is None
     # nothing left to extend: later renewals ask for nothing
     extender.request(lease)
-    time.sleep(0.2)
+    _handled_so_far(extender, app)
     assert message.score() is None
     assert extender.extended == 2
 
@@ -303,6 +331,6 @@ def test_on_sqs_an_acknowledged_message_is_let_go_without_a_warning(
             extender.watch(lease, app, delivery)
             wait_until(lambda: extender.extended, timeout=10, message="the try")
             extender.request(lease)  # forgotten: nothing is asked
-            time.sleep(0.3)
+            _handled_so_far(extender, app)
         assert (extender.extended, extender.failed) == (1, 0)
         assert "invisible" not in caplog.text

@@ -306,9 +306,9 @@ def test_a_writer_stopped_while_holding_its_file_stops_no_consumer(
             ]
         )  # fmt: skip
         try:
-            while not path.exists():
-                time.sleep(0.01)
-            time.sleep(0.2)  # the writer holds its lock, stopped
+            # returns once the writer has stopped itself, holding its lock
+            _, status = os.waitpid(writer.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), status
             started = time.monotonic()
             first = queue.get(timeout=5)
             assert first.payload == {"number": 1}

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 import warnings
@@ -423,10 +424,15 @@ def test_on_lost_modes(mode: str, make_app: Callable[..., Celery], recorder: Rec
 
     clock = ManualClock()
     app = make_app(leases_store_options={"clock": clock})
+    # the loss is acted on (the interrupt sent, in "raise" mode) before
+    # on_lease_lost is called: once the hook has run, the interrupt, if any,
+    # is pending and lands at the body's next bytecode
+    hook_ran = threading.Event()
 
     class Watched(LeasedTask):
         def on_lease_lost(self, lease: Any) -> None:
             recorder.add("hook", lease.lost_reason)
+            hook_ran.set()
 
     @app.task(shared=False, base=Watched, bind=True, lease_ttl=1.5, lease_on_lost=mode)
     def victim(self: LeasedTask) -> None:
@@ -439,7 +445,9 @@ def test_on_lost_modes(mode: str, make_app: Callable[..., Celery], recorder: Rec
             recorder.add("flag seen", self.lease.lost)
             with pytest.raises(LeaseLost):
                 self.lease.check()
-            time.sleep(0.2)  # an interrupt, if any, lands here
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline and not hook_ran.is_set():
+                time.sleep(0.01)  # an interrupt, if any, lands here
             recorder.add("finished", True)
         except LeaseLost as exc:
             recorder.add("interrupted", exc.reason)
