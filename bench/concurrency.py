@@ -172,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{statistics.median(r.server for r in rs):.0%} | "
                 f"{statistics.median(r.clients for r in rs):.0%} |"
             )
-        ratio = statistics.median(r.claims_per_s for r in runs[large]) / statistics.median(
-            r.claims_per_s for r in runs[small]
-        )
-        print(f"{large} processes / {small} processes: {ratio:.2f}x")
+        base = statistics.median(r.claims_per_s for r in runs[small])
+        if base == 0:
+            print(f"{large} processes / {small} processes: no claim in the runs of {small}")
+        else:
+            ratio = statistics.median(r.claims_per_s for r in runs[large]) / base
+            print(f"{large} processes / {small} processes: {ratio:.2f}x")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

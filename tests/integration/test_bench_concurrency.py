@@ -17,7 +17,7 @@ from tests.bench_runs import run_bench
 def test_a_short_run_prints_claims_per_second_of_both_sizes_and_their_ratio() -> None:
     out = run_bench(
         "concurrency.py", "--stores", "postgres,redis", "--processes", "1,2",
-        "--seconds", "0.5", "--rounds", "1",
+        "--seconds", "1.5", "--rounds", "1",
     )  # fmt: skip
     for store in ("postgres", "redis"):
         section = out.split(f"{store}: ", 1)[1]

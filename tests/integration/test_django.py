@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.django_runner import DJANGO_APP, RUN_TIMEOUT, TESTS, run_django_tests
+from tests.django_runner import DJANGO_APP, NETWORK_ONLY, RUN_TIMEOUT, TESTS, run_django_tests
 from tests.servers import MariadbServer, PostgresServer
 
 #: each test is one run of the Django tests in a process of its own
@@ -27,7 +27,7 @@ POSTGRES_TESTS = [
 
 
 def test_the_django_tests_pass_on_sqlite(tmp_path: Path) -> None:
-    run_django_tests(tmp_path, TESTS)
+    run_django_tests(tmp_path, TESTS, leave_out=NETWORK_ONLY)
 
 
 @pytest.mark.postgres
