@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DJANGO_APP", "SHOP", "TESTS", "run_django_tests"]
+__all__ = ["DJANGO_APP", "RUN_TIMEOUT", "SHOP", "TESTS", "run_django_tests"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHOP = REPO_ROOT / "example_project" / "django_shop"
@@ -23,6 +23,10 @@ DJANGO_APP = REPO_ROOT / "tests" / "django_app"
 #: the shop's own tests (with their fixtures in tests/conftest.py), then the
 #: tests of celery_leases.contrib.django
 TESTS = [SHOP / "tests" / "test_orders.py", DJANGO_APP]
+#: seconds one run may take (its tests start real workers: over two minutes
+#: on a loaded 2-core machine); the tests that call run_django_tests allow it
+#: under pytest's timeout
+RUN_TIMEOUT = 420
 
 
 def _arguments(tests: list[Path]) -> list[str]:
@@ -57,7 +61,7 @@ def run_django_tests(
         },
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=RUN_TIMEOUT,
         check=False,
     )
     output = completed.stdout + completed.stderr

@@ -1,6 +1,6 @@
 """The Django tests (tests/django_app and the shop's), on SQLite, PostgreSQL
-and MariaDB, with this Python's Django (the LTS); tests/packaging/test_django_latest.py
-runs them with the newest Django.
+and MariaDB, with this virtualenv's Django; scripts/matrix runs them with
+Django 5.2 (the LTS) and with the newest Django.
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.django_runner import DJANGO_APP, TESTS, run_django_tests
+from tests.django_runner import DJANGO_APP, RUN_TIMEOUT, TESTS, run_django_tests
 from tests.servers import MariadbServer, PostgresServer
+
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)
 
 #: on PostgreSQL and MariaDB, the tests whose outcome depends on the database: the
 #: tables, the fenced statements and the real workers (settings, checks and
