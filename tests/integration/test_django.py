@@ -12,7 +12,8 @@ import pytest
 from tests.django_runner import DJANGO_APP, RUN_TIMEOUT, TESTS, run_django_tests
 from tests.servers import MariadbServer, PostgresServer
 
-pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)
+#: each test is one run of the Django tests in a process of its own
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 10)
 
 #: on PostgreSQL and MariaDB, the tests whose outcome depends on the database: the
 #: tables, the fenced statements and the real workers (settings, checks and
