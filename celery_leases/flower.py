@@ -252,6 +252,12 @@ def install() -> bool:
         False when Flower is not installed.
     """
     try:
+        # Flower 2.0.0's event state reads tornado options (its runtime
+        # histogram's buckets) that only flower.options defines, which its
+        # command imports but its events module does not (later releases do):
+        # without it, a state made outside `celery flower` (a saved one
+        # loaded, a test's) cannot be built
+        import flower.options  # noqa: F401
         from flower import events as flower_events
     except ImportError:
         return False

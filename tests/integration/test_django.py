@@ -1,6 +1,6 @@
 """The Django tests (tests/django_app and the shop's), on SQLite, PostgreSQL
-and MariaDB, with this Python's Django (the LTS); tests/packaging/test_django_latest.py
-runs them with the newest Django.
+and MariaDB, with this virtualenv's Django; scripts/matrix runs them with
+Django 5.2 (the LTS) and with the newest Django.
 """
 
 from __future__ import annotations
