@@ -685,7 +685,7 @@ def test_restart_keeps_generations_going_up(
     assert second.generation == max(first.generation + 1, second.store_now_ms)
     assert isinstance(store.complete("job", B, second.generation), Completed)
     _backdate_completion(store, "job", seconds=120)
-    assert store.purge_completed(60) == 1
+    assert store.purge(60) == 1
     assert store.get("job") is None
     own_server.restart()
     time.sleep(PING_AFTER_IDLE)
@@ -845,7 +845,7 @@ def _every_operation(store: SqlStore, job_id: str) -> None:
     assert isinstance(store.complete(job_id, B, again.generation), Refusal)
     assert store.get(job_id) is not None
     store.now_ms()
-    store.purge_completed(3600)
+    store.purge(3600)
 
 
 def test_operations_run_statements_built_once_from_the_compiled_cache(
@@ -923,7 +923,7 @@ def test_purge_is_one_delete_with_the_memory_store_conditions(sql_store: SqlStor
     sql_store.complete("young", A, young.generation)
     _backdate_completion(sql_store, "old", seconds=120)
     with StatementLog(sql_store.engine) as log:
-        assert sql_store.purge_completed(60) == 1
+        assert sql_store.purge(60) == 1
     assert len(log.statements) == 1
     assert log.statements[0].lstrip().upper().startswith("DELETE")
     assert sql_store.get("old") is None
