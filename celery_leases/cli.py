@@ -100,7 +100,7 @@ def _errors(ctx: click.Context, url: str) -> Iterator[None]:
         _fail(ctx, EXIT_UNAVAILABLE, mask(str(exc), secrets=secrets_of(url)))
     except LeaseConfigurationError as exc:
         message = mask(str(exc), secrets=secrets_of(url))
-        if is_sql_url(url) and "table" in message and "init-db" not in ctx.command_path:
+        if is_sql_url(url) and "table" in message and "init-db" not in ctx.command_path + message:
             message += " A new database needs its table first: celery leases init-db."
         _fail(ctx, EXIT_CONFIGURATION, message)
 
@@ -314,10 +314,8 @@ def purge_command(ctx: click.Context, older_than: str, as_json: bool) -> None:
 @leases.command(name="init-db", cls=CeleryCommand)
 @click.pass_context
 def init_db_command(ctx: click.Context) -> None:
-    """Create the SQL lease table and its index, or bring a table an earlier
-    version made up to this one (safe to run again)."""
-    # create_table=True: a store that does not create its table refuses one
-    # that lacks columns, which this command is there to add
+    """Create the SQL lease table and its index (safe to run again); a table
+    of that name that is not this release's is refused, and left as it is."""
     with _store(ctx, create_table=True) as store:
         engine = getattr(store, "engine", None)
         if engine is None:

@@ -21,6 +21,6 @@ def every_operation(
         "release": lambda: store.release(job_id, owner, generation),
         "get": lambda: store.get(job_id),
         "records": lambda: list(store.records()),
-        "purge_completed": lambda: store.purge_completed(60),
+        "purge": lambda: store.purge(60),
         "now_ms": store.now_ms,
     }

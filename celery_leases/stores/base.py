@@ -349,10 +349,6 @@ class LeaseStore(abc.ABC):
         """
         return self._purge(check_retention(older_than))
 
-    def purge_completed(self, older_than: float) -> int:
-        """The former name of :meth:`purge`, which also deletes released records."""
-        return self.purge(older_than)
-
     def now_ms(self) -> int:
         """The store's clock, in milliseconds since the epoch."""
         return self._now_ms()

@@ -44,11 +44,10 @@ from celery_leases.stores.base import (
 )
 from celery_leases.stores.deadline import store_waits, time_left
 from celery_leases.stores.sql_engine import (
-    check_columns,
+    check_table,
     check_timeout,
     create_table,
     dialect_for,
-    make_table,
     masked_url,
     open_engine,
     store_url,
@@ -117,11 +116,9 @@ class SqlStore(SqlRecords, LeaseStore):
             limit on each wait for a reply inside the store's calls). Either
             way it empties the engine's pool once.
         table_name: the lease table's name.
-        create_table: create the table (and index) if it is missing, and add
-            the columns a table of an earlier release lacks; a table whose
-            index is an earlier release's gets a warning instead of a new
-            index, which :func:`create_table` (``celery leases init-db``)
-            builds.
+        create_table: create the table (and index) if it is missing. Either
+            way a table that is not this release's lease table (one that
+            lacks a column or the index) is refused.
         timeout: the longest wait (seconds) for one step of a call: a new
             connection, a reply, a lock; SQLite's busy timeout. Default
             :data:`DEFAULT_TIMEOUT` for PostgreSQL and
@@ -129,7 +126,8 @@ class SqlStore(SqlRecords, LeaseStore):
 
     Raises:
         LeaseConfigurationError: unsupported database or driver, SQLite too
-            old, in-memory SQLite, a bad table name or timeout.
+            old, in-memory SQLite, a bad table name or timeout, a table
+            that is not this release's lease table.
         StoreUnavailable: creating the table failed.
     """
 
@@ -147,7 +145,7 @@ class SqlStore(SqlRecords, LeaseStore):
         self,
         engine: Engine,
         table_name: str,
-        create_table: bool,
+        make_table: bool,
         timeout: float | None,
         server_limits: bool,
         checkouts: Checkouts | None = None,
@@ -173,10 +171,10 @@ class SqlStore(SqlRecords, LeaseStore):
             else Operations(self._statements, self.url)
         )
         with store_waits(self.timeout):
-            if create_table:
-                make_table(engine, table_name, change_index=False)
+            if make_table:
+                create_table(engine, table_name)
             else:
-                check_columns(engine, self.table)
+                check_table(engine, self.table)
 
     @classmethod
     def from_url(

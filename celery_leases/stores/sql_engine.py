@@ -13,22 +13,19 @@ store opened from a URL.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.sql_errors import FIX, permanent, reason
-from celery_leases.stores.sql_indexes import invalid_warning
 from celery_leases.stores.sql_mysql_engine import prepare_mysql_engine
 from celery_leases.stores.sql_pool import Checkouts, pool_capacity
 from celery_leases.stores.sql_postgres_engine import prepare_postgres_engine
@@ -41,15 +38,8 @@ from celery_leases.stores.sql_table import (
     MYSQL_NAMES,
     _Dialect,
     lease_table,
+    missing_parts,
 )
-from celery_leases.stores.sql_upgrade import (
-    add_missing_columns,
-    build_indexes,
-    drop_retired_indexes,
-    upgrade_statements,
-)
-
-logger = logging.getLogger("celery_leases.stores.sql")
 
 #: engines of open stores; a forked child must not reuse their connections
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -119,44 +109,27 @@ def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> _Dia
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
     """Create the lease table and its index unless they exist; safe to race.
 
-    A table made by an older release gets the columns it lacks and this
-    release's index. In PostgreSQL building that index holds off writes to
-    the table for as long as it takes (docs/sql.md says how to build it
-    first without that), and the old index is dropped after, in a
-    transaction of its own.
+    A table that exists is only looked at, without the DDL lock.
 
     Returns:
         The table, bound to a fresh ``MetaData``.
 
     Raises:
         StoreUnavailable: the database could not be reached.
-        LeaseConfigurationError: the database is not PostgreSQL, SQLite or MySQL.
+        LeaseConfigurationError: the database is not PostgreSQL, SQLite or
+            MySQL, or a table of that name exists that is not this
+            release's lease table (:func:`check_table`).
     """
-    return make_table(engine, table_name, change_index=True)
-
-
-def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Table:
-    """:func:`create_table`; without ``change_index`` (a store opening, which
-    must not wait for an index to be built), an older table's index is left
-    as it is and a warning gives the statements that change it, and a table
-    that lacks nothing is only looked at, without the DDL lock (which a
-    ``create_table`` building the index holds for as long as that takes)."""
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
     try:
-        if not change_index and _only_index_to_change(engine, table):
-            return table
-        with _under_ddl_lock(engine, dialect, table_name) as conn:
-            table.metadata.create_all(conn, checkfirst=True)
-            add_missing_columns(conn, table)
-            to_drop = build_indexes(conn, table) if change_index else False
-        if to_drop:
-            # after the build has committed: DROP INDEX waits for every
-            # transaction that has read the table, and one of those waiting
-            # for the build's lock in turn would deadlock with it
-            with _under_ddl_lock(engine, dialect, table_name) as conn:
-                drop_retired_indexes(conn, table)
-        _only_index_to_change(engine, table)  # warns of what is left
+        if not _checked(engine, table):
+            with engine.begin() as conn:
+                dialect.lock_for_ddl(conn, table_name)
+                try:
+                    table.metadata.create_all(conn, checkfirst=True)
+                finally:
+                    dialect.unlock_for_ddl(conn, table_name)
     except (exc.DBAPIError, exc.TimeoutError) as error:
         about = f"could not create the lease table {table_name!r} in {masked_url(engine)}"
         if permanent(error):
@@ -165,79 +138,41 @@ def make_table(engine: Engine, table_name: str, *, change_index: bool) -> sa.Tab
     return table
 
 
-@contextlib.contextmanager
-def _under_ddl_lock(engine: Engine, dialect: _Dialect, table_name: str) -> Iterator[Connection]:
-    """A transaction holding the lock that serializes DDL on the lease table."""
-    with engine.begin() as conn:
-        dialect.lock_for_ddl(conn, table_name)
-        try:
-            yield conn
-        finally:
-            dialect.unlock_for_ddl(conn, table_name)
-
-
-def _only_index_to_change(engine: Engine, table: sa.Table) -> bool:
-    """True when ``table`` exists and lacks no column; then warn of what its
-    index lacks, if anything.
+def _checked(engine: Engine, table: sa.Table) -> bool:
+    """True when ``table`` exists and is this release's lease table.
 
     Raises:
+        LeaseConfigurationError: it exists and is not.
         sqlalchemy.exc.DBAPIError: the database could not be read.
     """
     try:
         with engine.connect() as conn:
-            missing, indexes, invalid = upgrade_statements(conn, table)
+            missing = missing_parts(conn, table)
     except exc.NoSuchTableError:
         return False
     if missing:
-        return False
-    _warn_of_index(engine, table, indexes, invalid)
+        raise LeaseConfigurationError(
+            f"the table {table.name!r} in {masked_url(engine)} is not this release's lease "
+            f"table: it lacks the {', '.join(missing)}. If its records can go, drop it "
+            "(DROP TABLE) and run `celery leases init-db` (Django: manage.py migrate "
+            "celery_leases zero, then migrate); or give the store another table_name"
+        )
     return True
 
 
-def _warn_of_index(
-    engine: Engine, table: sa.Table, statements: list[str], invalid: set[str]
-) -> None:
-    """Warn that ``table`` lacks this release's index, if ``statements``
-    (those that change it) are to run, or that its index is ``invalid``."""
-    if statements:
-        logger.warning(
-            "the lease table %r in %s lacks this release's index; run `celery leases init-db` "
-            "(docs/sql.md, The table, says how to build it without holding off writes) or, "
-            "each in a transaction of its own: %s",
-            table.name,
-            masked_url(engine),
-            "; ".join(statements),
-        )
-    warning = invalid_warning(table.name, invalid, masked_url(engine))
-    if warning is not None:
-        logger.warning("%s", warning)
-
-
-def check_columns(engine: Engine, table: sa.Table) -> None:
-    """Refuse a lease table made by an older release that lacks columns,
-    for a store that does not create it (``create_table=False``), and warn
-    of one that still has an earlier release's index.
+def check_table(engine: Engine, table: sa.Table) -> None:
+    """Refuse a table that is not this release's lease table, for a store
+    that does not create it (``create_table=False``).
 
     A table that is missing, or a database that cannot be reached now, is
     left to the store's calls to report.
 
     Raises:
-        LeaseConfigurationError: the table lacks columns; the message gives
-            the statements that add them.
+        LeaseConfigurationError: the table lacks a column or the index; the
+            message names them and says what to do.
     """
-    try:
-        with engine.connect() as conn:
-            missing, indexes, invalid = upgrade_statements(conn, table)
-    except (exc.DBAPIError, exc.TimeoutError, exc.NoSuchTableError):
-        return
-    _warn_of_index(engine, table, indexes, invalid)
-    if missing:
-        statements = "; ".join(missing)
-        raise LeaseConfigurationError(
-            f"the lease table {table.name!r} in {masked_url(engine)} was made by an earlier "
-            f"version and lacks columns: run `celery leases init-db`, open the store with "
-            f"create_table=True, or run: {statements}"
-        )
+    with contextlib.suppress(exc.DBAPIError, exc.TimeoutError):
+        _checked(engine, table)
 
 
 #: a pooled connection idle this long (seconds) is pinged before a store

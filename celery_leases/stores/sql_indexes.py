@@ -1,7 +1,7 @@
-"""The lease table's secondary index, per database, and its upgrade.
+"""The lease table's secondary index, per database.
 
-Used by :mod:`celery_leases.stores.sql_table` (the table's definition), by
-the store's table creation and by the Django migrations.
+Used by :mod:`celery_leases.stores.sql_table` (the table's definition and
+its check) and by the Django migration.
 
 The index serves ``purge`` (completed and released records by age) and the
 operators' ``records(state=...)``. In PostgreSQL it leaves out the held
@@ -20,7 +20,7 @@ SQLite (which counts a unique lookup as one row) keep the full index.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,10 +33,6 @@ _MADE_IN: dict[str, tuple[str, ...]] = {
     "not_held": ("postgresql",),
     "state_completed_at": ("sqlite", "mysql", "mariadb"),
 }
-
-#: per dialect, the ends of the names of indexes an earlier release made
-#: that the table must no longer have
-_RETIRED: dict[str, tuple[str, ...]] = {"postgresql": ("state_completed_at",)}
 
 _HELD = "held"
 
@@ -97,57 +93,4 @@ def indexes_in(table: sa.Table, dialect_name: str) -> list[sa.Index]:
             if dialect_name in _MADE_IN.get(_end(table, str(index.name)), ())
         ),
         key=lambda index: str(index.name),
-    )
-
-
-#: PostgreSQL: the names of a table's invalid indexes (one whose ``CREATE
-#: INDEX CONCURRENTLY`` failed, or is still running); the table is bound as
-#: ``:table``, its name as SQL writes it
-INVALID_INDEXES = (
-    "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-    "WHERE i.indrelid = CAST(:table AS regclass) AND NOT i.indisvalid"
-)
-
-
-def index_statements(
-    table: sa.Table, present: Set[str], dialect: Dialect, invalid: Set[str] = frozenset()
-) -> tuple[list[str], list[str]]:
-    """What gives a table this release's index: the builds, then the drops.
-
-    The builds are ``CREATE INDEX`` for each index ``dialect`` has that is
-    not among the ``present`` index names. The drops are ``DROP INDEX`` for
-    each index an earlier release made that is present, unless one of this
-    release's is ``invalid`` (its concurrent build failed or is still
-    running): the earlier one then stays until it is valid, and neither is
-    touched here (:func:`invalid_warning` says what to do). Only
-    PostgreSQL's index has changed, so elsewhere both are empty unless the
-    index was dropped by hand.
-    """
-    quote = dialect.identifier_preparer.quote
-    ours = indexes_in(table, dialect.name)
-    builds = [
-        str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip()
-        for index in ours
-        if index.name not in present
-    ]
-    if invalid & {str(index.name) for index in ours}:
-        return builds, []
-    drops = [
-        f"DROP INDEX {quote(name)}"
-        for name in sorted(present)
-        if _end(table, name) in _RETIRED.get(dialect.name, ())
-    ]
-    return builds, drops
-
-
-def invalid_warning(table_name: str, invalid: Set[str], where: str) -> str | None:
-    """What to do about this release's indexes that are ``invalid``, or None."""
-    ours = sorted(name for name in invalid if name.startswith(f"ix_{table_name}_"))
-    if not ours:
-        return None
-    return (
-        f"the index {', '.join(ours)} of the lease table {table_name!r} in {where} is invalid: "
-        "a CREATE INDEX CONCURRENTLY failed or is still running. Once none is running, drop "
-        "it (DROP INDEX CONCURRENTLY) and build it again (docs/sql.md, The table); until "
-        "then the earlier index stays"
     )

@@ -6,7 +6,7 @@ Used by :mod:`celery_leases.stores.sql`; ``lease_table`` is public there.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +14,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.engine import Connection, Dialect, RowMapping
+from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
-from celery_leases.stores.sql_indexes import lease_indexes
+from celery_leases.stores.sql_indexes import indexes_in, lease_indexes
 
 DEFAULT_TABLE_NAME = "celery_leases"
 
@@ -119,18 +119,6 @@ def lease_table(
         sa.Column("completed_at", sa.BigInteger, nullable=True),
         sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
         sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
-        *_added_columns(),
-        # purge and records(state=...) filter on state and completed_at
-        *lease_indexes(table_name, dialect),
-        mysql_engine="InnoDB",
-        mysql_charset="utf8mb4",
-    )
-
-
-def _added_columns() -> list[sa.Column[Any]]:
-    """Columns added after the first release; :func:`create_table` adds them
-    to a table made before them."""
-    return [
         sa.Column("send_id", _key_text(), nullable=False, server_default=""),
         # MySQL's BLOB holds 64 KiB, less than MAX_OUTCOME_BYTES
         sa.Column(
@@ -148,17 +136,31 @@ def _added_columns() -> list[sa.Column[Any]]:
             server_default="",
         ),
         sa.Column("task_id", _key_text(), nullable=False, server_default=""),
-    ]
+        # purge and records(state=...) filter on state and completed_at
+        *lease_indexes(table_name, dialect),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
 
 
-def add_column_statements(table: sa.Table, present: Set[str], dialect: Dialect) -> list[str]:
-    """``ALTER TABLE ... ADD COLUMN`` in ``dialect`` for each column added
-    after the first release that is not among the ``present`` column names."""
+def missing_parts(conn: Connection, table: sa.Table) -> list[str]:
+    """What the database's table named as ``table`` lacks of it: its
+    columns and the database's index, each named; empty for this release's
+    table.
+
+    Raises:
+        sqlalchemy.exc.NoSuchTableError: there is no such table.
+    """
+    inspector = sa.inspect(conn)
+    columns = {c["name"] for c in inspector.get_columns(table.name)}
+    indexes = {str(i["name"]) for i in inspector.get_indexes(table.name)}
     return [
-        f"ALTER TABLE {dialect.identifier_preparer.format_table(table)} ADD COLUMN "
-        f"{sa.schema.CreateColumn(column).compile(dialect=dialect)}"
-        for column in _added_columns()
-        if column.name not in present
+        *(f"column {c.name}" for c in table.columns if c.name not in columns),
+        *(
+            f"index {index.name}"
+            for index in indexes_in(table, conn.dialect.name)
+            if index.name not in indexes
+        ),
     ]
 
 

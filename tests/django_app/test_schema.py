@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from django import db
 from django.core.management import call_command
 from django.db import connection
 
 from celery_leases.contrib.django.models import Lease
-from celery_leases.contrib.django.schema import ddl_lock_for
 from celery_leases.contrib.django.store import database_url
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import create_fence_table
 from celery_leases.stores import LeaseStore, open_store
-from celery_leases.stores.sql import SqlStore, create_table, lease_table
-from celery_leases.stores.sql_engine import dialect_for
-from celery_leases.stores.sql_upgrade import add_missing_columns
+from celery_leases.stores.sql import SqlStore, create_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -87,7 +82,7 @@ def test_the_migrated_tables_are_the_tables_the_sql_store_makes(fresh_engine: sa
 
 def test_the_sql_store_takes_the_migrated_table_as_it_is(django_store: LeaseStore) -> None:
     before = describe()
-    # create_table=True checks the table and adds what an older one lacks
+    # create_table=True checks the table and takes it as it is
     store = SqlStore.from_url(database_url().render_as_string(hide_password=False))
     try:
         claimed = store.claim("job-1", "owner-1", 30, task_name="orders.tasks.charge")
@@ -111,99 +106,6 @@ def test_the_models_match_their_migrations() -> None:
     # makemigrations --check exits non-zero when a model has changes that no
     # migration makes
     call_command("makemigrations", "celery_leases", "--check", "--dry-run", verbosity=0)
-
-
-def _drop_task_id(cursor: Any) -> bool:
-    # the first migration of an earlier version made the table without it
-    cursor.execute("ALTER TABLE celery_leases DROP COLUMN task_id")
-    return True
-
-
-def _index_led_by_state(cursor: Any) -> bool:
-    if connection.vendor != "postgresql":
-        return False  # the index of SQLite, MySQL and MariaDB is unchanged
-    # the first migration of an earlier version made an index led by state,
-    # with the held records in it
-    cursor.execute("DROP INDEX ix_celery_leases_not_held")
-    cursor.execute(
-        "CREATE INDEX ix_celery_leases_state_completed_at ON celery_leases (state, completed_at)"
-    )
-    return True
-
-
-@pytest.mark.parametrize(
-    ("back_to", "make_earlier"),
-    [("0001", _drop_task_id), ("0002", _index_led_by_state)],
-    ids=["task_id column", "index"],
-)
-def test_migrate_brings_a_table_of_an_earlier_version_up_to_this_one(
-    fresh_engine: sa.Engine, back_to: str, make_earlier: Callable[[Any], bool]
-) -> None:
-    create_table(fresh_engine)
-    create_fence_table(fresh_engine)
-    call_command("migrate", "celery_leases", back_to, verbosity=0)
-    try:
-        with connection.cursor() as cursor:
-            changed = make_earlier(cursor)
-        assert (describe() != describe(fresh_engine)) is changed
-    finally:
-        call_command("migrate", "celery_leases", verbosity=0)
-    assert describe() == describe(fresh_engine)
-    # and a table that has it is left as it is
-    call_command("migrate", "celery_leases", back_to, verbosity=0)
-    call_command("migrate", "celery_leases", verbosity=0)
-    assert describe() == describe(fresh_engine)
-
-
-def test_migrate_takes_turns_with_a_store_adding_the_same_columns(
-    fresh_engine: sa.Engine,
-) -> None:
-    # a SQL store adding the columns an older table lacks holds a lock
-    # (PostgreSQL: advisory, MySQL: named) while it looks and adds; the
-    # migration waits for it instead of finding task_id missing at the same
-    # moment and failing on a duplicate column
-    if connection.vendor == "sqlite":
-        # its writes take turns by themselves: the migration takes no lock
-        assert ddl_lock_for("sqlite")[:2] == (None, None)
-        return
-    create_table(fresh_engine)
-    create_fence_table(fresh_engine)
-    call_command("migrate", "celery_leases", "0001", verbosity=0)
-    with connection.cursor() as cursor:
-        cursor.execute("ALTER TABLE celery_leases DROP COLUMN task_id")
-    engine = sa.create_engine(database_url())
-    migrated = threading.Event()
-    failures: list[BaseException] = []
-
-    def migrate() -> None:
-        try:
-            call_command("migrate", "celery_leases", verbosity=0)
-        except BaseException as exc:  # reported by the test's thread
-            failures.append(exc)
-        finally:
-            db.connections.close_all()
-            migrated.set()
-
-    try:
-        with engine.connect() as store_side:
-            dialect = dialect_for(engine, None)
-            store_side.begin()
-            dialect.lock_for_ddl(store_side, "celery_leases")
-            thread = threading.Thread(target=migrate)
-            thread.start()
-            assert not migrated.wait(1.0), "migrate did not wait for the store's lock"
-            # the store adds the column under its lock, as create_table does
-            add_missing_columns(store_side, lease_table(sa.MetaData()))
-            dialect.unlock_for_ddl(store_side, "celery_leases")
-            store_side.commit()
-        assert migrated.wait(30)
-        thread.join(30)
-    finally:
-        engine.dispose()
-        if not migrated.is_set():
-            call_command("migrate", "celery_leases", verbosity=0)
-    assert failures == []
-    assert describe() == describe(fresh_engine)
 
 
 def test_a_django_url_opens_the_database_of_its_alias(django_store: LeaseStore) -> None:

@@ -44,7 +44,7 @@ MARGIN_MS = 150
 
 
 # --- writing records behind the store's back --------------------------------
-# purge_completed keeps records for at least a minute; instead of waiting, the
+# purge keeps records for at least a minute; instead of waiting, the
 # purge tests age a record by editing it directly in the store's storage.
 
 
@@ -466,7 +466,7 @@ def test_takeovers_are_counted_in_the_record(store: LeaseStore) -> None:
     assert record.renew_count == 0
 
 
-# --- purge_completed -------------------------------------------------------
+# --- purge -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("older_than", [0, 1, 59.9])
@@ -474,7 +474,7 @@ def test_purge_refuses_a_retention_under_a_minute(store: LeaseStore, older_than:
     done = acquire(store)
     store.complete(JOB, A, done.generation)
     with pytest.raises(LeaseConfigurationError, match="older_than"):
-        store.purge_completed(older_than)
+        store.purge(older_than)
     assert store.get(JOB) is not None
 
 
@@ -490,10 +490,10 @@ def test_purge_deletes_only_completed_records_past_the_retention(store: LeaseSto
     # a generation is purged only once the store clock is past it
     wait_for_store_clock(store, max(old.generation, young.generation))
 
-    assert store.purge_completed(90) == 1
+    assert store.purge(90) == 1
     assert store.get("old") is None
     assert sorted(r.job_id for r in store.records()) == ["held", "released", "young"]
-    assert store.purge_completed(90) == 0
+    assert store.purge(90) == 0
 
 
 def test_purge_deletes_an_old_record_whatever_its_generation(store: LeaseStore) -> None:
@@ -530,7 +530,7 @@ def test_claim_after_purge_gets_a_higher_generation(store: LeaseStore) -> None:
     store.complete(JOB, A, last.generation)
     backdate_completion(store, JOB, seconds=120)
     wait_for_store_clock(store, last.generation)
-    assert store.purge_completed(60) == 1
+    assert store.purge(60) == 1
     assert store.get(JOB) is None
     again = acquire(store, B)
     assert again.generation > last.generation > first.generation

@@ -357,15 +357,6 @@ def test_purge_deletes_old_completed_and_released_records(store: LeaseStore) -> 
     assert again.generation > gone.generation
 
 
-def test_purge_completed_is_an_alias_of_purge(store: LeaseStore) -> None:
-    gone = acquire(store)
-    store.release(JOB, A, gone.generation)
-    backdate_release(store, JOB, seconds=120)
-    wait_for_store_clock(store, gone.generation)
-    assert store.purge_completed(60) == 1
-    assert store.get(JOB) is None
-
-
 # --- force_release -----------------------------------------------------------
 
 

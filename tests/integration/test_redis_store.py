@@ -220,7 +220,7 @@ def test_every_operation_recovers_from_a_flushed_script_cache(
     )
     age_completion(raw, redis_store.key("job-a"), 120)
     raw.script_flush()
-    assert redis_store.purge_completed(60) == 1
+    assert redis_store.purge(60) == 1
     assert redis_store.get("job-a") is None
 
 
@@ -454,7 +454,7 @@ def test_purge_keeps_young_and_unfinished_records(
         assert record is not None
         redis_store.complete(job_id, "worker-a", record.generation)
     age_completion(raw, redis_store.key("old"), 120)
-    assert redis_store.purge_completed(60) == 1
+    assert redis_store.purge(60) == 1
     assert {r.job_id for r in redis_store.records()} == {"young", "held"}
 
 
@@ -548,7 +548,7 @@ def test_claim_after_purge_and_restart_is_above_the_old_generation(
             assert isinstance(first, Acquired)
             store.complete("job-a", "worker-a", first.generation)
             age_completion(raw, store.key("job-a"), 120)
-            assert store.purge_completed(60) == 1
+            assert store.purge(60) == 1
             server.restart()
             assert store.get("job-a") is None
             again = store.claim("job-a", "worker-b", 30)

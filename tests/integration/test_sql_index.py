@@ -1,11 +1,10 @@
 """The SQL lease table's secondary index: what each database gets, that
 PostgreSQL's fenced statements find their record by the primary key, and
-the upgrade of a table an earlier release made (real PostgreSQL, SQLite and
-MariaDB)."""
+that a table lacking a column or the index is refused (real PostgreSQL,
+SQLite and MariaDB)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import pytest
@@ -99,79 +98,51 @@ def test_postgres_fenced_statements_find_their_record_by_the_primary_key(
         conn.rollback()
 
 
-@pytest.mark.parametrize("case", ["lower", "Mixed"])
-def test_postgres_table_with_the_earlier_index_is_warned_of_then_upgraded(
-    postgres_server: PostgresServer, unique: str, case: str, caplog: pytest.LogCaptureFixture
+def _drop_index(conn: sa.Connection, table_name: str, index: str) -> None:
+    on = f" ON {table_name}" if conn.dialect.name in ("mysql", "mariadb") else ""
+    conn.exec_driver_sql(f"DROP INDEX {index}{on}")
+
+
+@pytest.mark.parametrize("lacks", ["column", "index"])
+def test_a_table_that_is_not_this_releases_is_refused_and_left_as_it_is(
+    sql_url: str, table_name: str, lacks: str
 ) -> None:
-    # a name in capitals is quoted in every statement, or PostgreSQL would
-    # fold it and find no such table or index
-    table_name = f"leases_{unique}" if case == "lower" else f"Leases_{unique}"
-    old, new = f"ix_{table_name}_state_completed_at", f"ix_{table_name}_not_held"
-    engine = sa.create_engine(postgres_server.url)
+    engine = sa.create_engine(sql_url)
     try:
         create_table(engine, table_name)
+        (index,) = _indexes(engine, table_name)
         with engine.begin() as conn:
-            # the table as releases before this one made it
-            conn.exec_driver_sql(f'DROP INDEX "{new}"')
-            conn.exec_driver_sql(f'CREATE INDEX "{old}" ON "{table_name}" (state, completed_at)')
-            conn.exec_driver_sql(f'ALTER TABLE "{table_name}" DROP COLUMN task_id')
-
-        for create in (True, False):
-            caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
-                # a store's start adds the column (True) but builds no index
-                SqlStore(engine, table_name=table_name, create_table=create).close()
-            assert "celery leases init-db" in caplog.text, create
-            assert set(_indexes(engine, table_name)) == {old}
-        q = '"' if case == "Mixed" else ""  # quoted only where it must be
-        build = (
-            f"CREATE INDEX {q}{new}{q} ON {q}{table_name}{q} (state, completed_at) "
-            "WHERE state <> 'held'"
-        )
-        assert build in caplog.text
-        assert f"DROP INDEX {q}{old}{q}" in caplog.text
-
-        create_table(engine, table_name)  # what init-db runs
-        assert set(_indexes(engine, table_name)) == {new}
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
-            SqlStore(engine, table_name=table_name, create_table=False).close()
-        assert "index" not in caplog.text
+            if lacks == "column":
+                conn.exec_driver_sql(f"ALTER TABLE {table_name} DROP COLUMN task_id")
+            else:
+                _drop_index(conn, table_name, index)
+        columns = [c["name"] for c in sa.inspect(engine).get_columns(table_name)]
+        indexes = set(_indexes(engine, table_name))
+        missing = "column task_id" if lacks == "column" else f"index {index}"
+        starts = {
+            "create_table": lambda: create_table(engine, table_name),
+            "a store that creates its table": lambda: SqlStore(
+                engine, table_name=table_name, create_table=True
+            ).close(),
+            "a store that does not": lambda: SqlStore(
+                engine, table_name=table_name, create_table=False
+            ).close(),
+        }
+        for start_name, start in starts.items():
+            with pytest.raises(LeaseConfigurationError) as refused:
+                start()
+            message = str(refused.value)
+            assert f"the table {table_name!r}" in message, start_name
+            assert f"is not this release's lease table: it lacks the {missing}." in message
+            assert "DROP TABLE" in message
+            assert "celery leases init-db" in message
+        # nothing was changed
+        assert [c["name"] for c in sa.inspect(engine).get_columns(table_name)] == columns
+        assert set(_indexes(engine, table_name)) == indexes
     finally:
         with engine.begin() as conn:
-            conn.exec_driver_sql(f'DROP TABLE "{table_name}"')
+            conn.exec_driver_sql(f"DROP TABLE {table_name}")
         engine.dispose()
-
-
-def _set_valid(conn: sa.Connection, index: str, valid: bool) -> None:
-    conn.execute(
-        sa.text(
-            "UPDATE pg_index SET indisvalid = :valid WHERE indexrelid = CAST(:index AS regclass)"
-        ),
-        {"valid": valid, "index": index},
-    )
-
-
-def test_postgres_invalid_index_keeps_the_earlier_one_and_is_warned_of(
-    postgres_store: SqlStore, table_name: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    old, new = f"ix_{table_name}_state_completed_at", f"ix_{table_name}_not_held"
-    with postgres_store.engine.begin() as conn:
-        conn.exec_driver_sql(f"CREATE INDEX {old} ON {table_name} (state, completed_at)")
-        # what a CREATE INDEX CONCURRENTLY leaves while it runs, or after it failed
-        _set_valid(conn, new, False)
-    with caplog.at_level(logging.WARNING, logger="celery_leases.stores.sql"):
-        create_table(postgres_store.engine, table_name)
-    # neither touched: the build may still be running, and the earlier
-    # index serves until the new one is valid
-    assert set(_indexes(postgres_store.engine, table_name)) == {old, new}
-    assert f"the index {new} of the lease table {table_name!r}" in caplog.text
-    assert "is invalid" in caplog.text
-
-    with postgres_store.engine.begin() as conn:
-        _set_valid(conn, new, True)
-    create_table(postgres_store.engine, table_name)
-    assert set(_indexes(postgres_store.engine, table_name)) == {new}
 
 
 def test_a_table_for_an_unknown_database_is_refused() -> None:
@@ -191,8 +162,8 @@ def test_a_table_for_one_database_carries_its_index_only(dialect: str, index: st
 def test_a_store_start_on_a_complete_table_does_not_wait_for_the_ddl_lock(
     postgres_store: SqlStore, table_name: str
 ) -> None:
-    # init-db building the index holds this lock for as long as the build
-    # takes; a worker's store start must not wait for it (its lock_timeout
+    # another process creating a table holds this lock; a worker's store
+    # start on a table that exists must not wait for it (its lock_timeout
     # of 1 s would end the start with StoreUnavailable)
     url = postgres_store.engine.url.render_as_string(hide_password=False)
     with postgres_store.engine.begin() as conn:

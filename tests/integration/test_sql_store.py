@@ -186,75 +186,6 @@ def test_store_creates_the_table_with_its_columns(sql_store: SqlStore, table_nam
     # its index: tests/integration/test_sql_index.py
 
 
-def test_table_of_an_older_release_gets_the_new_columns(sql_url: str, table_name: str) -> None:
-    engine = sa.create_engine(sql_url)
-    try:
-        with engine.begin() as conn:
-            # the table as the first release created it
-            conn.exec_driver_sql(
-                f"CREATE TABLE {table_name} (job_id VARCHAR(255) NOT NULL, "
-                "owner VARCHAR(255) DEFAULT '' NOT NULL, generation BIGINT NOT NULL, "
-                "lease_until BIGINT NOT NULL, state VARCHAR(16) NOT NULL, "
-                "task_name VARCHAR(255) DEFAULT '' NOT NULL, claimed_at BIGINT, "
-                "renewed_at BIGINT, completed_at BIGINT, "
-                "renew_count INTEGER DEFAULT 0 NOT NULL, takeovers INTEGER DEFAULT 0 NOT NULL, "
-                "PRIMARY KEY (job_id))"
-            )
-            conn.exec_driver_sql(
-                f"INSERT INTO {table_name} (job_id, generation, lease_until, state) "  # noqa: S608 - the test's own table
-                "VALUES ('old', 5, 9, 'released')"
-            )
-        store = SqlStore.from_url(sql_url, table_name=table_name)
-        try:
-            columns = {c["name"] for c in sa.inspect(store.engine).get_columns(table_name)}
-            assert columns == set(EXPECTED_COLUMNS)
-            record = store.get("old")
-            assert record is not None
-            assert (record.send_id, record.outcome, record.released_at_ms) == ("", None, None)
-            again = store.claim("old", A, 30, send_id="send-1")
-            assert isinstance(again, Acquired)
-            # max(5 + 1, clock): the clock
-            assert again.generation == again.store_now_ms
-        finally:
-            store.close()
-    finally:
-        engine.dispose()
-
-
-def test_a_table_without_the_task_id_column_is_refused_at_open_with_the_fix(
-    sql_url: str, table_name: str
-) -> None:
-    # the table of the release before task ids were kept, in a database whose
-    # stores do not create their table
-    made = SqlStore.from_url(sql_url, table_name=table_name)
-    with made.engine.begin() as conn:
-        conn.exec_driver_sql(f"ALTER TABLE {table_name} DROP COLUMN task_id")
-    made.close()
-    with pytest.raises(LeaseConfigurationError) as refused:
-        SqlStore.from_url(sql_url, table_name=table_name, create_table=False)
-    message = str(refused.value)
-    assert "celery leases init-db" in message
-    column = (
-        "task_id VARBINARY(1020) NOT NULL DEFAULT ''"  # MySQL: exact bytes
-        if sql_url.startswith("mysql")
-        else "task_id VARCHAR(255) DEFAULT '' NOT NULL"
-    )
-    assert f"ALTER TABLE {table_name} ADD COLUMN {column}" in message
-    engine = sa.create_engine(sql_url)
-    try:
-        create_table(engine, table_name)  # what init-db runs
-    finally:
-        engine.dispose()
-    store = SqlStore.from_url(sql_url, table_name=table_name, create_table=False)
-    try:
-        store.claim("job", A, 30, send_id="send-1", task_id="task-1")
-        record = store.get("job")
-        assert record is not None
-        assert record.task_id == "task-1"
-    finally:
-        store.close()
-
-
 def test_table_creation_is_idempotent(sql_url: str, table_name: str) -> None:
     first = SqlStore.from_url(sql_url, table_name=table_name)
     _acquire(first, "kept")
@@ -685,7 +616,7 @@ def test_restart_keeps_generations_going_up(
     assert second.generation == max(first.generation + 1, second.store_now_ms)
     assert isinstance(store.complete("job", B, second.generation), Completed)
     _backdate_completion(store, "job", seconds=120)
-    assert store.purge_completed(60) == 1
+    assert store.purge(60) == 1
     assert store.get("job") is None
     own_server.restart()
     time.sleep(PING_AFTER_IDLE)
@@ -845,7 +776,7 @@ def _every_operation(store: SqlStore, job_id: str) -> None:
     assert isinstance(store.complete(job_id, B, again.generation), Refusal)
     assert store.get(job_id) is not None
     store.now_ms()
-    store.purge_completed(3600)
+    store.purge(3600)
 
 
 def test_operations_run_statements_built_once_from_the_compiled_cache(
@@ -928,7 +859,7 @@ def test_purge_is_one_delete_with_the_memory_store_conditions(sql_store: SqlStor
     sql_store.complete("young", A, young.generation)
     _backdate_completion(sql_store, "old", seconds=120)
     with StatementLog(sql_store.engine) as log:
-        assert sql_store.purge_completed(60) == 1
+        assert sql_store.purge(60) == 1
     assert len(log.statements) == 1
     assert log.statements[0].lstrip().upper().startswith("DELETE")
     assert sql_store.get("old") is None

@@ -89,9 +89,9 @@ def test_store_down_covers_every_hook_a_store_implements() -> None:
         if callable(value) and not name.startswith("_")
     }
     hooks = {name.lstrip("_") for name in LeaseStore.__abstractmethods__}
-    # each public operation reaches the store through a hook of its own name
-    # (purge_completed is purge's alias), so failing every hook fails them all
-    assert public - hooks <= {"purge_completed", "close"}
+    # each public operation reaches the store through a hook of its own name,
+    # so failing every hook fails them all
+    assert public - hooks <= {"close"}
 
 
 def test_a_store_url_from_the_environment_is_used(

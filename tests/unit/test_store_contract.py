@@ -305,7 +305,7 @@ def test_claim_records_the_task_name(store: MemoryStore, clock: ManualClock) -> 
     assert record.renew_count == 0
 
 
-# --- purge_completed -------------------------------------------------------
+# --- purge -------------------------------------------------------------
 
 
 def test_purge_deletes_completed_and_released_records_past_the_retention(
@@ -326,14 +326,6 @@ def test_purge_deletes_completed_and_released_records_past_the_retention(
     assert store.get("old") is None
     assert store.get("released") is None
     assert {r.job_id for r in store.records()} == {"still-held", "young", "young-release"}
-
-
-def test_purge_completed_is_purge(store: MemoryStore, clock: ManualClock) -> None:
-    released = acquire(store, job_id="released")
-    store.release("released", A, released.generation)
-    clock.advance(100)
-    assert store.purge_completed(90) == 1
-    assert store.get("released") is None
 
 
 def test_purge_waits_for_the_retention_only(store: MemoryStore, clock: ManualClock) -> None:
@@ -404,7 +396,7 @@ def test_claim_after_purge_gets_a_higher_generation(store: MemoryStore, clock: M
     assert record is not None
     store.complete(JOB, A, record.generation)
     clock.advance(61)
-    assert store.purge_completed(60) == 1
+    assert store.purge(60) == 1
     again = acquire(store)
     assert again.generation > record.generation > first.generation
 
@@ -412,7 +404,7 @@ def test_claim_after_purge_gets_a_higher_generation(store: MemoryStore, clock: M
 @pytest.mark.parametrize("older_than", [0, 59.9, -1, math.nan, math.inf, True, "60"])
 def test_purge_refuses_a_retention_under_a_minute(store: MemoryStore, older_than: object) -> None:
     with pytest.raises(LeaseConfigurationError, match="older_than"):
-        store.purge_completed(older_than)  # type: ignore[arg-type]
+        store.purge(older_than)  # type: ignore[arg-type]
 
 
 def test_minimum_retention_is_one_minute() -> None:

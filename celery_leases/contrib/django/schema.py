@@ -7,8 +7,6 @@ table made by ``manage.py migrate`` is the table ``SqlStore`` would make
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Set
-from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -17,24 +15,9 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
 from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
-from celery_leases.stores.sql_indexes import INVALID_INDEXES as SQL_INVALID_INDEXES
-from celery_leases.stores.sql_indexes import index_statements, indexes_in
-from celery_leases.stores.sql_table import (
-    DDL_LOCKS,
-    add_column_statements,
-    check_ddl_lock_taken,
-    ddl_lock_name,
-)
+from celery_leases.stores.sql_indexes import indexes_in
 
-__all__ = [
-    "INVALID_INDEXES",
-    "add_column_statements_for",
-    "create_statements",
-    "ddl_lock_for",
-    "ddl_locked",
-    "drop_statements",
-    "index_statements_for",
-]
+__all__ = ["create_statements", "drop_statements"]
 
 #: Django's connection vendors (MariaDB's too is "mysql") and their dialects
 _DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect, "mysql": mysql.dialect}
@@ -70,84 +53,6 @@ def create_statements(vendor: str) -> list[str]:
             for index in indexes_in(table, dialect.name)
         )
     return statements
-
-
-def add_column_statements_for(vendor: str, present: set[str]) -> list[str]:
-    """``ALTER TABLE ... ADD COLUMN`` text for each column of the lease table
-    that a table made by an earlier version lacks (``present`` are the names
-    of the columns it has), as the SQL store adds them to its own table.
-
-    Raises:
-        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
-    """
-    table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
-    return add_column_statements(table, present, _dialect(vendor))
-
-
-def index_statements_for(
-    vendor: str,
-    present: Set[str],
-    invalid: Set[str] = frozenset(),
-) -> tuple[list[str], list[str]]:
-    """The statements that give a lease table made by an earlier version
-    this version's index (``present`` are the names of the indexes it has,
-    ``invalid`` those PostgreSQL marks invalid, see :data:`INVALID_INDEXES`),
-    as the SQL store changes its own table's: the builds, then the drops,
-    which belong in a transaction after the builds' (see
-    :func:`celery_leases.stores.sql.create_table`).
-
-    Raises:
-        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
-    """
-    table = lease_table(sa.MetaData(), DEFAULT_TABLE_NAME)
-    return index_statements(table, present, _dialect(vendor), invalid)
-
-
-#: PostgreSQL: the names of the lease table's invalid indexes (one ``%s``
-#: for the table's name)
-INVALID_INDEXES = SQL_INVALID_INDEXES.replace(":table", "%s")
-
-
-def ddl_lock_for(vendor: str) -> tuple[str | None, str | None, str]:
-    """The statements (with one ``%s`` for the name) that take and end the
-    lock the SQL store holds while it adds columns to the lease table, and
-    the lock's name: a migration doing the same work takes turns with it.
-    The taking statement answers 1 once it holds the lock; ``None`` where the
-    database needs no lock (SQLite's writes take turns by themselves).
-
-    Raises:
-        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or MySQL.
-    """
-    _dialect(vendor)
-    take, end = DDL_LOCKS[vendor]
-    return (
-        take and take.replace(":name", "%s"),
-        end and end.replace(":name", "%s"),
-        ddl_lock_name(DEFAULT_TABLE_NAME),
-    )
-
-
-@contextmanager
-def ddl_locked(connection: Any) -> Iterator[Any]:
-    """A cursor of a Django ``connection`` that holds, while it is open, the
-    lock a SQL store holds while it changes the lease table: a migration
-    doing the same work takes turns with it, and neither finds work the
-    other is doing still to do.
-
-    Raises:
-        LeaseConfigurationError: the vendor is not PostgreSQL, SQLite or
-            MySQL, or the lock was not taken within 30 s.
-    """
-    take, end, name = ddl_lock_for(connection.vendor)
-    with connection.cursor() as cursor:
-        if take is not None:
-            cursor.execute(take, [name])
-            check_ddl_lock_taken(cursor.fetchone()[0], DEFAULT_TABLE_NAME)
-        try:
-            yield cursor
-        finally:
-            if end is not None:
-                cursor.execute(end, [name])
 
 
 def drop_statements(vendor: str) -> list[str]:

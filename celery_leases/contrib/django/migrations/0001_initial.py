@@ -73,6 +73,12 @@ class Migration(migrations.Migration):
                         ("released_at", models.BigIntegerField(null=True)),
                         ("released_by", models.CharField(db_default="", max_length=255)),
                         ("release_reason", models.TextField(db_default="")),
+                        (
+                            "task_id",
+                            celery_leases.contrib.django.models.ExactTextField(
+                                db_default="", max_length=255
+                            ),
+                        ),
                     ],
                     options={"verbose_name": "lease", "db_table": "celery_leases"},
                 ),
