@@ -64,13 +64,16 @@ def url_of_this_database() -> sa.URL:
     if connection.vendor == "sqlite":
         return sa.URL.create("sqlite", database=str(settings["NAME"]))
     if connection.vendor == "mysql":
+        host = str(settings["HOST"] or "")
+        socket = host.startswith("/")  # Django's unix_socket
         return sa.URL.create(
             "mysql+pymysql",
             username=settings["USER"] or None,
             password=settings["PASSWORD"] or None,
-            host=settings["HOST"] or None,
+            host=None if socket else host or None,
             port=int(settings["PORT"]) if settings["PORT"] else None,
             database=settings["NAME"],
+            query={"unix_socket": host} if socket else {},
         )
     connection.ensure_connection()
     info = connection.connection.info  # psycopg's ConnectionInfo

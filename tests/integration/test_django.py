@@ -100,19 +100,20 @@ def ssl_postgres_server() -> PostgresServer:
     return server
 
 
-def run_connection_tests(
-    tmp_path: Path, server: PostgresServer, entry: dict[str, Any], **env: str
-) -> None:
-    """The connection tests on the shop's database ``shop`` of ``server``, with
-    ``entry`` laid over its ``DATABASES["default"]``."""
+def run_connection_tests(tmp_path: Path, entry: dict[str, Any], **env: str) -> None:
+    """The connection tests with ``entry`` laid over the shop's ``DATABASES["default"]``."""
     run_django_tests(
         tmp_path,
         CONNECTION_TESTS,
-        SHOP_POSTGRES=f"postgresql://postgres@127.0.0.1:{server.port}/shop",
         SHOP_DATABASE_ENTRY=json.dumps(entry),
         DJANGO_SETTINGS_MODULE=ENTRY_SETTINGS,
         **env,
     )
+
+
+def shop_on(server: PostgresServer) -> str:
+    """The shop's database ``shop`` on ``server``, as ``SHOP_POSTGRES`` takes it."""
+    return f"postgresql://postgres@127.0.0.1:{server.port}/shop"
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,7 @@ def test_the_django_store_connects_over_a_socket_folder_with_a_search_path(
         "PORT": str(ssl_postgres.port),
         "OPTIONS": {"options": "-c search_path=app"},
     }
-    run_connection_tests(tmp_path, ssl_postgres, entry)
+    run_connection_tests(tmp_path, entry, SHOP_POSTGRES=shop_on(ssl_postgres))
 
 
 @pytest.mark.postgres
@@ -150,4 +151,19 @@ def test_the_django_store_connects_with_a_service_and_verified_ssl(
             "target_session_attrs": "read-write",
         },
     }
-    run_connection_tests(tmp_path, ssl_postgres, entry, PGSERVICEFILE=str(services))
+    run_connection_tests(
+        tmp_path, entry, SHOP_POSTGRES=shop_on(ssl_postgres), PGSERVICEFILE=str(services)
+    )
+
+
+@pytest.mark.mysql
+def test_the_django_store_connects_over_a_mariadb_socket(
+    tmp_path: Path, mariadb_server: MariadbServer
+) -> None:
+    user, password = "shop", "shop-socket-pw"
+    mariadb_server.sql(
+        f"CREATE USER IF NOT EXISTS '{user}'@'localhost' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON *.* TO '{user}'@'localhost';"
+    )
+    entry = {"HOST": str(mariadb_server.socket), "PORT": ""}  # Django's unix_socket
+    run_connection_tests(tmp_path, entry, SHOP_MYSQL=f"mysql://{user}:{password}@localhost/shop")

@@ -104,7 +104,6 @@ def _orm_statements(using: str) -> StatementTurns:
 @contextlib.contextmanager
 def _atomic(task: Any, using: str) -> Iterator[OpenTransaction]:
     """``atomic(using=using)``, with a SQLAlchemy connection on its DB-API connection."""
-    _check_same_database(task, using)
     connection = connections[using]
     if connection.in_atomic_block:
         raise LeaseConfigurationError(
@@ -119,6 +118,9 @@ def _atomic(task: Any, using: str) -> Iterator[OpenTransaction]:
             "the completion would not commit with your writes. exactly_once needs the "
             "default, AUTOCOMMIT on"
         )
+    # after the checks above: the store's connection must not wait on a
+    # transaction Django's connection holds open
+    _check_same_database(task, using)
     engine = _engine(using)
     atomic = transaction.atomic(using=using, durable=True)
     atomic.__enter__()
