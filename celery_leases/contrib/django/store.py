@@ -35,10 +35,11 @@ _DRIVERS = {
 }
 
 #: Django's connection parameters that shape how Python reads results, not
-#: where or how the driver connects: SQLAlchemy's dialects set their own
+#: where or how the driver connects: SQLAlchemy's dialects set their own.
+#: (psycopg's prepare_threshold stays: Django's None keeps poolers working.)
 _READING_ONLY = {
     "sqlite": ("detect_types",),
-    "postgresql+psycopg": ("context", "cursor_factory", "prepare_threshold"),
+    "postgresql+psycopg": ("context", "cursor_factory"),
     "mysql+pymysql": ("conv",),
 }
 
