@@ -24,14 +24,13 @@ from orders.tasks import ship
 
 from celery_leases import LeaseConfigurationError, LeaseLost
 from celery_leases.contrib.django.exactly_once import exactly_once
-from celery_leases.contrib.django.store import database_url
 from celery_leases.lease import Lease
 from celery_leases.sending import keeping_send_id
 from celery_leases.settings import LeaseTiming
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import Acquired, LeaseRecord, LeaseState
 from tests.acceptance.harness import Worker, wait_until
-from tests.django_app.conftest import StartWorker
+from tests.django_app.conftest import StartWorker, url_of_this_database
 from tests.proxy import Proxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -266,7 +265,7 @@ def test_a_store_on_another_database_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_store_url_of_the_same_database_written_otherwise_is_taken() -> None:
-    url = database_url()
+    url = url_of_this_database()
     if connection.vendor == "mysql":
         # MariaDB's own dialect name, and the default port left out
         url = url.set(drivername="mariadb+pymysql")

@@ -12,7 +12,7 @@ from orders.models import Order
 
 from celery_leases.contrib.django import fencing as orm
 from celery_leases.contrib.django.models import Fence
-from celery_leases.contrib.django.store import database_url
+from celery_leases.contrib.django.store import connection_arguments
 from celery_leases.errors import LeaseConfigurationError, StaleFencingToken
 from celery_leases.fencing import FenceResult, Token
 from celery_leases.fencing import sql as core
@@ -24,7 +24,8 @@ REPEATS = ["apply", "accept", "refuse"]
 
 @pytest.fixture
 def engine() -> Iterator[sa.Engine]:
-    engine = sa.create_engine(database_url())
+    url, arguments = connection_arguments()
+    engine = sa.create_engine(url, connect_args=arguments)
     yield engine
     engine.dispose()
 

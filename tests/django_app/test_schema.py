@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.db import connection
 
 from celery_leases.contrib.django.models import Lease
-from celery_leases.contrib.django.store import database_url
+from celery_leases.contrib.django.store import connection_arguments
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import create_fence_table
 from celery_leases.stores import LeaseStore, open_store
@@ -28,7 +28,7 @@ def describe(engine: sa.Engine | None = None) -> dict[str, Any]:
     Without an engine: of the test database.
     """
     if engine is None:
-        engine = sa.create_engine(database_url())
+        engine = django_engine()
         try:
             return describe(engine)
         finally:
@@ -56,6 +56,13 @@ def describe(engine: sa.Engine | None = None) -> dict[str, Any]:
     return found
 
 
+def django_engine(**arguments: Any) -> sa.Engine:
+    """An engine connecting as Django does to the test database; ``arguments``
+    change the connection's."""
+    url, given = connection_arguments()
+    return sa.create_engine(url, connect_args={**given, **arguments})
+
+
 @pytest.fixture
 def fresh_engine(tmp_path: Path) -> Iterator[sa.Engine]:
     """An empty database of the same kind as the test database."""
@@ -67,7 +74,7 @@ def fresh_engine(tmp_path: Path) -> Iterator[sa.Engine]:
     name = f"fresh_{uuid.uuid4().hex[:8]}"
     with connection.cursor() as cursor:
         cursor.execute(f"CREATE DATABASE {name}")
-    engine = sa.create_engine(database_url().set(database=name))
+    engine = django_engine(**{"dbname" if connection.vendor == "postgresql" else "database": name})
     yield engine
     engine.dispose()
     with connection.cursor() as cursor:
@@ -83,7 +90,8 @@ def test_the_migrated_tables_are_the_tables_the_sql_store_makes(fresh_engine: sa
 def test_the_sql_store_takes_the_migrated_table_as_it_is(django_store: LeaseStore) -> None:
     before = describe()
     # create_table=True checks the table and takes it as it is
-    store = SqlStore.from_url(database_url().render_as_string(hide_password=False))
+    url, arguments = connection_arguments()
+    store = SqlStore.from_url(url.render_as_string(), connect_args=arguments)
     try:
         claimed = store.claim("job-1", "owner-1", 30, task_name="orders.tasks.charge")
         assert store.complete("job-1", "owner-1", claimed.generation, outcome=b"42")  # type: ignore[union-attr]
@@ -109,7 +117,7 @@ def test_the_models_match_their_migrations() -> None:
 
 
 def test_a_django_url_opens_the_database_of_its_alias(django_store: LeaseStore) -> None:
-    url = database_url("default")
+    url, _ = connection_arguments("default")
     if connection.vendor == "sqlite":
         # an absolute path: the four slashes a hand-written URL needs
         assert str(url).startswith("sqlite:////")

@@ -35,7 +35,7 @@ from sqlalchemy import exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
-from celery_leases.contrib.django.store import database_url
+from celery_leases.contrib.django.store import connection_arguments
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, StatementTurns, run_once
 from celery_leases.stores.sql_table import MYSQL_NAMES
@@ -104,7 +104,6 @@ def _orm_statements(using: str) -> StatementTurns:
 @contextlib.contextmanager
 def _atomic(task: Any, using: str) -> Iterator[OpenTransaction]:
     """``atomic(using=using)``, with a SQLAlchemy connection on its DB-API connection."""
-    _check_same_database(task, using)
     connection = connections[using]
     if connection.in_atomic_block:
         raise LeaseConfigurationError(
@@ -119,6 +118,9 @@ def _atomic(task: Any, using: str) -> Iterator[OpenTransaction]:
             "the completion would not commit with your writes. exactly_once needs the "
             "default, AUTOCOMMIT on"
         )
+    # after the checks above: the store's connection must not wait on a
+    # transaction Django's connection holds open
+    _check_same_database(task, using)
     engine = _engine(using)
     atomic = transaction.atomic(using=using, durable=True)
     atomic.__enter__()
@@ -182,8 +184,8 @@ def _engine(using: str) -> Engine:
     """An engine whose connections are Django's connection of ``using`` in
     the calling thread, lent (one per process and alias; made outside any
     transaction, where its first connection reads the server's settings)."""
-    url = database_url(using)
-    key = (os.getpid(), using, url.render_as_string(hide_password=True))
+    url, _ = connection_arguments(using)
+    key = (os.getpid(), using, url.render_as_string())
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
@@ -196,7 +198,7 @@ def _engine(using: str) -> Engine:
                 {"use_native_hstore": False} if url.get_backend_name() == "postgresql" else {}
             )
             engine = sa.create_engine(
-                url.set(password=None),
+                url,
                 creator=lend,
                 poolclass=NullPool,
                 pool_reset_on_return=None,
@@ -209,27 +211,49 @@ def _engine(using: str) -> Engine:
 
 
 def _check_same_database(task: Any, using: str) -> None:
-    """Refuse a lease store on another database than ``using``'s."""
+    """Refuse a lease store on another database than ``using``'s, or one that
+    finds another lease table under the same name (another schema).
+
+    Both sides are asked where they are: what the server says, not how
+    each was configured, so a socket folder and a host name, a service and
+    its parameters, alike name one database.
+    """
     store = task.lease.store
     store_engine = getattr(store, "engine", None)
-    if not isinstance(store_engine, Engine):
+    table = getattr(store, "table", None)
+    if not isinstance(store_engine, Engine) or not isinstance(table, sa.Table):
         return  # not an SQL store: run_once says so
-    if _identity(store_engine.url) != _identity(database_url(using)):
+    with store_engine.connect() as store_side:
+        theirs = _where(store_side, table.name)
+    with _engine(using).connect() as django_side:
+        ours = _where(django_side, table.name)
+    if theirs != ours:
         raise LeaseConfigurationError(
             f"exactly_once(using={using!r}) needs the lease store on the database of "
-            f"DATABASES[{using!r}], but the store is on {store.url}: the completion can only "
-            f"commit with your writes in one database. Set CELERY_LEASES_STORE = "
-            f"'django://{using}'",
+            f"DATABASES[{using!r}] and its lease table, but the store is on {store.url}: "
+            "the completion can only commit with your writes in one database. Set "
+            f"CELERY_LEASES_STORE = 'django://{using}'",
             job_id=task.lease.job_id,
         )
 
 
-def _identity(url: sa.URL) -> tuple[str, ...]:
-    backend = url.get_backend_name()
-    if backend == "sqlite":
-        return (backend, os.path.realpath(url.database or ""))
-    if backend in MYSQL_NAMES:
-        backend, port = "mysql", 3306  # mariadb+pymysql:// and mysql+pymysql:// alike
-    else:
-        port = 5432
-    return (backend, url.host or "localhost", str(url.port or port), url.database or "")
+#: what a server says of itself and of the table a name finds there
+_WHERE = {
+    # the server (its start and port), the database, the table's own id
+    "postgresql": "SELECT pg_postmaster_start_time()::text, current_setting('port'), "
+    "current_database(), to_regclass(quote_ident(:table))::oid::text",
+    # the server (its host, port and files), the database: no schema path
+    "mysql": "SELECT @@hostname, @@port, @@datadir, DATABASE(), :table",
+}
+
+
+def _where(connection: sa.Connection, table_name: str) -> tuple[str, ...]:
+    """Where ``connection`` is: the server, the database, the table ``table_name`` finds."""
+    name = connection.dialect.name
+    if name == "sqlite":
+        files = connection.exec_driver_sql("PRAGMA database_list").all()
+        main = next(str(row[2]) for row in files if row[1] == "main")
+        return ("sqlite", os.path.realpath(main) if main else "", table_name)
+    name = "mysql" if name in MYSQL_NAMES else name
+    row = connection.execute(sa.text(_WHERE[name]), {"table": table_name}).one()
+    return (name, *map(str, row))

@@ -2,7 +2,9 @@
 
 ``CELERY_LEASES_STORE = "django://default"`` opens
 :class:`~celery_leases.stores.sql.SqlStore` on the database Django's
-``default`` alias names, with an engine of its own (the store's
+``default`` alias names, connecting with Django's own connection
+parameters (every ``DATABASES`` entry that works for Django works for the
+store), with an engine of its own (the store's
 connections keep their own timeouts and never join a request's
 transaction). The table comes from the migration, so the store does not
 create it unless ``create_table=True`` is among the store options.
@@ -14,13 +16,14 @@ from typing import Any
 
 import sqlalchemy as sa
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores import register_scheme
 from celery_leases.stores.sql import SqlStore
 
-__all__ = ["SCHEME", "database_url", "open_django_store", "register"]
+__all__ = ["SCHEME", "connection_arguments", "open_django_store", "register"]
 
 SCHEME = "django"
 
@@ -29,6 +32,15 @@ _DRIVERS = {
     "django.db.backends.sqlite3": "sqlite",
     "django.db.backends.postgresql": "postgresql+psycopg",
     "django.db.backends.mysql": "mysql+pymysql",
+}
+
+#: Django's connection parameters that shape how Python reads results, not
+#: where or how the driver connects: SQLAlchemy's dialects set their own.
+#: (psycopg's prepare_threshold stays: Django's None keeps poolers working.)
+_READING_ONLY = {
+    "sqlite": ("detect_types",),
+    "postgresql+psycopg": ("context", "cursor_factory"),
+    "mysql+pymysql": ("conv",),
 }
 
 
@@ -44,8 +56,19 @@ def _alias(url: str) -> str:
     return alias
 
 
-def database_url(alias: str = "default") -> sa.URL:
-    """The SQLAlchemy URL of the ``DATABASES`` entry ``alias``, password included.
+def connection_arguments(alias: str = "default") -> tuple[sa.URL, dict[str, Any]]:
+    """How Django connects to the ``DATABASES`` entry ``alias``, for SQLAlchemy.
+
+    The connection parameters are Django's own
+    (``connections[alias].get_connection_params()``: ``HOST`` and ``PORT``,
+    a socket folder as ``HOST`` included, and every ``OPTIONS`` entry it
+    passes on, such as ``options``, ``service``, ``sslmode``, ``sslrootcert``
+    or ``target_session_attrs``), less those that only shape how Python reads
+    results (Django's cursor classes, adapters and converters: SQLAlchemy's
+    dialect brings its own). They are meant for
+    ``sqlalchemy.create_engine(url, connect_args=arguments)``: the URL names
+    the driver, and the database, host and user where a URL can hold them,
+    for messages; it has no password, and the arguments override it.
 
     Uses the entry as the connection has it now, so under a test runner it
     is the test database.
@@ -55,46 +78,52 @@ def database_url(alias: str = "default") -> sa.URL:
             not SQLite, PostgreSQL or MySQL/MariaDB, or it is an in-memory SQLite
             database.
     """
-    entry = connections[alias].settings_dict
+    connection = connections[alias]
+    entry = connection.settings_dict
     driver = _DRIVERS.get(str(entry.get("ENGINE", "")))
     if driver is None:
         raise LeaseConfigurationError(
             f"the lease store on DATABASES[{alias!r}] needs the sqlite3, postgresql or "
             f"mysql engine, not {entry.get('ENGINE')!r}"
         )
-    name = str(entry.get("NAME") or "")
+    if driver == "sqlite" and connection.creation.is_in_memory_db(entry.get("NAME")):
+        raise LeaseConfigurationError(
+            f"DATABASES[{alias!r}] is an in-memory SQLite database, private to one "
+            "connection: workers cannot share it. Under a test runner set "
+            f"DATABASES[{alias!r}]['TEST']['NAME'] to a file"
+        )
+    try:
+        arguments = dict(connection.get_connection_params())
+    except ImproperlyConfigured as error:
+        raise LeaseConfigurationError(f"DATABASES[{alias!r}]: {error}") from None
+    for name in _READING_ONLY[driver]:
+        arguments.pop(name, None)
     if driver == "sqlite":
-        if not name or name == ":memory:" or "mode=memory" in name:
-            raise LeaseConfigurationError(
-                f"DATABASES[{alias!r}] is an in-memory SQLite database, private to one "
-                "connection: workers cannot share it. Under a test runner set "
-                f"DATABASES[{alias!r}]['TEST']['NAME'] to a file"
-            )
-        # an absolute path makes the four slashes of sqlite:////path
-        return sa.URL.create("sqlite", database=name)
-    options = dict(entry.get("OPTIONS") or {})
-    passed = ("sslmode", "application_name") if driver != "mysql+pymysql" else ("charset",)
-    query = {k: str(v) for k, v in options.items() if k in passed}
-    return sa.URL.create(
+        # the file is the URL's (sqlite3.connect takes it as its first argument)
+        return sa.URL.create(driver, database=str(arguments.pop("database"))), arguments
+    host = str(entry.get("HOST") or "")
+    url = sa.URL.create(
         driver,
         username=entry.get("USER") or None,
-        password=entry.get("PASSWORD") or None,
-        host=entry.get("HOST") or None,
+        # a socket folder cannot be a URL's host; the arguments carry it
+        host=host if host and not host.startswith("/") else None,
         port=int(entry["PORT"]) if entry.get("PORT") else None,
-        database=name or None,
-        query=query,
+        database=entry.get("NAME") or None,
     )
+    return url, arguments
 
 
 def open_django_store(url: str, **options: Any) -> SqlStore:
-    """Open the SQL store on the database ``url`` (``django://<alias>``) names.
+    """Open the SQL store on the database ``url`` (``django://<alias>``) names,
+    connecting as Django does (:func:`connection_arguments`).
 
     Raises:
-        LeaseConfigurationError: see :func:`database_url`.
+        LeaseConfigurationError: see :func:`connection_arguments`.
     """
     options.setdefault("create_table", False)
-    target = database_url(_alias(url))
-    return SqlStore.from_url(target.render_as_string(hide_password=False), **options)
+    target, arguments = connection_arguments(_alias(url))
+    connect_args = {**arguments, **options.pop("connect_args", {})}
+    return SqlStore.from_url(target.render_as_string(), connect_args=connect_args, **options)
 
 
 def register() -> None:
