@@ -87,15 +87,13 @@ def test_a_database_of_the_same_name_elsewhere_is_refused() -> None:
         return  # MySQL's and SQLite's tables have no schema path
     with connection.cursor() as cursor:
         cursor.execute("CREATE SCHEMA IF NOT EXISTS elsewhere")
-        cursor.execute(
-            "CREATE TABLE IF NOT EXISTS elsewhere.celery_leases (LIKE celery_leases INCLUDING ALL)"
-        )
     url = url_of_this_database()
+    # the store makes its own lease table in the first schema of its path
     store = open_store(
         url.update_query_dict({"options": "-c search_path=elsewhere"}).render_as_string(
             hide_password=False
         ),
-        create_table=False,
+        create_table=True,
     )
     try:
         task = held_by_this_process(store)
