@@ -313,9 +313,34 @@ def fail_transiently(conn: sa.Connection) -> None:
         conn.execute(sa.text("SELECT fail()"))
 
 
+def end_session(conn: sa.Connection) -> None:
+    """The server ends ``conn``'s session (as an idle limit, an operator or a
+    restart would), from another connection; the task's next statement
+    finds the connection gone."""
+    if conn.dialect.name == "postgresql":
+        own, end = "SELECT pg_backend_pid()", "SELECT pg_terminate_backend({})"
+    else:
+        own, end = "SELECT CONNECTION_ID()", "KILL CONNECTION {}"
+    session = int(conn.exec_driver_sql(own).scalar_one())
+    with conn.engine.connect() as other:
+        other.exec_driver_sql(end.format(session))
+        other.commit()
+    conn.exec_driver_sql("SELECT 1")
+
+
+# a session ended on MySQL and MariaDB also sets the session's idle limit
+# back on a connection SQLAlchemy has invalidated
+@pytest.mark.parametrize("fail", [fail_transiently, end_session])
 def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
-    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+    app: Celery,
+    engine: sa.Engine,
+    effects: sa.Table,
+    recorder: Recorder,
+    fail: Callable[[sa.Connection], None],
 ) -> None:
+    if fail is end_session and engine.dialect.name == "sqlite":
+        pytest.skip("an SQLite connection has no server session to end")
+
     @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
     def bill(self: LeasedTask) -> int:
         lease = self.lease
@@ -323,7 +348,7 @@ def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
             insert(tx.connection, effects, lease)
             if not recorder.of("failed"):
                 recorder.add("failed", lease.generation)
-                fail_transiently(tx.connection)
+                fail(tx.connection)
             return tx.complete(lease.generation)
 
     with worker(app):
