@@ -336,7 +336,10 @@ class BlockRenewal:
         self._idle = IdleLimit(connection, store.dialect_name)
         self._watching = contextlib.ExitStack()
         try:
-            self._idle.set(lease.remaining() + lease.timing.drift_margin)
+            # the lease's whole ttl, as each renewal sets it, not what is
+            # left of it: a savepoint rolled back sets PostgreSQL's limit
+            # back to this one, while the lease keeps the renewal's time
+            self._idle.set(lease.timing.ttl)
         except StoreUnavailable as error:
             raise _unavailable(lease, str(error)) from error
         if unpatched.green_library() is not None:

@@ -612,3 +612,52 @@ def test_a_block_whose_session_ends_keeps_only_the_committed_time(
     # before the time the renewals made in the ended transaction gave it
     assert left > 1.0
     assert rows_of(engine, effects, job) == 0
+
+
+class Undone(Exception):
+    """Rolls a savepoint back."""
+
+
+def test_a_savepoint_rolled_back_over_a_renewal_keeps_the_idle_limit_above_the_lease(
+    make_app: Callable[..., Celery], sql_url: str, unique: str, engine: sa.Engine, effects: sa.Table
+) -> None:
+    """A renewal made inside a savepoint that the task rolls back is undone
+    in the transaction, and PostgreSQL sets the transaction's idle limit back
+    to the value before the savepoint; the lease keeps the renewal's time.
+    That limit must still outlast the lease: a paused holder whose session
+    ended earlier would read alive while the next generation holds the job."""
+    if not sql_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL's idle limit is transactional (MySQL's is the session's)")
+    # the lock is taken late in a long renewal interval: the limit set then
+    # is far below what the renewal inside the savepoint gives the lease
+    app = make_app(sql_url, leases_store_options={"table_name": f"leases_{unique}"},
+                   leases_ttl=12, leases_renew_interval=8, leases_drift_margin=0.6)  # fmt: skip
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def undo(self: LeasedTask) -> dict[str, float]:
+        lease = self.lease
+        records = store_for(app).table  # type: ignore[attr-defined]
+        wait_until(lambda: lease.remaining() < lease.timing.safe_duration - 4, timeout=WAIT,
+                   message="half the renewal interval gone")  # fmt: skip
+        with exactly_once(self, engine) as tx:
+            conn = tx.connection
+            renewed = sa.select(records.c.renew_count).where(records.c.job_id == lease.job_id)
+            try:
+                with conn.begin_nested():
+                    before = conn.execute(renewed).scalar_one()
+                    wait_until(lambda: conn.execute(renewed).scalar_one() > before, timeout=WAIT,
+                               message="a renewal inside the savepoint")  # fmt: skip
+                    raise Undone
+            except Undone:
+                pass
+            remaining = lease.remaining()
+            limit = conn.exec_driver_sql(
+                "SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+            ).scalar_one()
+            insert(conn, effects, lease)
+            tx.complete(None)
+        return {"limit": int(limit) / 1000, "remaining": remaining}
+
+    with worker(app):
+        result = undo.delay().get(timeout=WAIT)
+    assert result["limit"] >= result["remaining"], result
