@@ -203,6 +203,15 @@ def run_once(
             job_id=lease.job_id,
             generation=lease.generation,
         )
+    if lease.in_transaction:
+        # its lock would wait for the one this run's open block holds,
+        # while the heartbeat keeps renewing the lease in that block
+        raise LeaseConfigurationError(
+            f"job {lease.job_id!r}: exactly_once was opened inside the exactly_once block "
+            "of the same run; a run has one block: make all its writes in it",
+            job_id=lease.job_id,
+            generation=lease.generation,
+        )
     lease.check()
     with _open(lease, opened, failures) as (connection, session, commit, rollback, before_complete):
         renewal: BlockRenewal | None = None

@@ -661,3 +661,29 @@ def test_a_savepoint_rolled_back_over_a_renewal_keeps_the_idle_limit_above_the_l
     with worker(app):
         result = undo.delay().get(timeout=WAIT)
     assert result["limit"] >= result["remaining"], result
+
+
+def test_a_block_inside_a_block_is_refused(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    """A second block opened inside the first would wait for the record's
+    lock the first one holds, while the heartbeat renews the lease in the
+    first one's transaction: refused at once instead, nothing written."""
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def nested(self: LeasedTask) -> None:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            try:
+                with exactly_once(self, engine):
+                    pass
+            except LeaseConfigurationError as error:
+                recorder.add("refused", str(error))
+                raise
+
+    with worker(app):
+        result = nested.delay()
+        with pytest.raises(LeaseConfigurationError):
+            result.get(timeout=WAIT)
+    assert "inside the exactly_once block" in recorder.of("refused")[0]
+    assert rows_of(engine, effects, result.id) == 0
