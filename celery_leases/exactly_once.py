@@ -196,22 +196,7 @@ def run_once(
     """
     lease: Lease = task.lease
     store = _sql_store(lease)
-    if lease.completed_in_transaction:
-        raise LeaseError(
-            f"job {lease.job_id!r} (generation {lease.generation}) was already completed in "
-            "a transaction by this run; a run completes once",
-            job_id=lease.job_id,
-            generation=lease.generation,
-        )
-    if lease.in_transaction:
-        # its lock would wait for the one this run's open block holds,
-        # while the heartbeat keeps renewing the lease in that block
-        raise LeaseConfigurationError(
-            f"job {lease.job_id!r}: exactly_once was opened inside the exactly_once block "
-            "of the same run; a run has one block: make all its writes in it",
-            job_id=lease.job_id,
-            generation=lease.generation,
-        )
+    _one_block(lease)
     lease.check()
     with _open(lease, opened, failures) as (connection, session, commit, rollback, before_complete):
         renewal: BlockRenewal | None = None
@@ -259,6 +244,28 @@ def run_once(
             _settle_commit(lease, error)
     lease.finish()
     lease.completed_in_transaction = True
+
+
+def _one_block(lease: Lease) -> None:
+    """Refuse a second block in a run: after the first committed, or inside
+    it (its lock would wait for the one the open block holds, while the
+    heartbeat keeps renewing the lease in that block)."""
+    if lease.completed_in_transaction:
+        error: type[LeaseError] = LeaseError
+        detail = "was already completed in a transaction by this run; a run completes once"
+    elif lease.in_transaction:
+        error = LeaseConfigurationError
+        detail = (
+            "opened exactly_once inside its exactly_once block; a run has one block: make "
+            "all its writes in it"
+        )
+    else:
+        return
+    raise error(
+        f"job {lease.job_id!r} (generation {lease.generation}) {detail}",
+        job_id=lease.job_id,
+        generation=lease.generation,
+    )
 
 
 @contextlib.contextmanager

@@ -685,5 +685,5 @@ def test_a_block_inside_a_block_is_refused(
         result = nested.delay()
         with pytest.raises(LeaseConfigurationError):
             result.get(timeout=WAIT)
-    assert "inside the exactly_once block" in recorder.of("refused")[0]
+    assert "inside its exactly_once block" in recorder.of("refused")[0]
     assert rows_of(engine, effects, result.id) == 0
