@@ -196,13 +196,7 @@ def run_once(
     """
     lease: Lease = task.lease
     store = _sql_store(lease)
-    if lease.completed_in_transaction:
-        raise LeaseError(
-            f"job {lease.job_id!r} (generation {lease.generation}) was already completed in "
-            "a transaction by this run; a run completes once",
-            job_id=lease.job_id,
-            generation=lease.generation,
-        )
+    _one_block(lease)
     lease.check()
     with _open(lease, opened, failures) as (connection, session, commit, rollback, before_complete):
         renewal: BlockRenewal | None = None
@@ -250,6 +244,28 @@ def run_once(
             _settle_commit(lease, error)
     lease.finish()
     lease.completed_in_transaction = True
+
+
+def _one_block(lease: Lease) -> None:
+    """Refuse a second block in a run: after the first committed, or inside
+    it (its lock would wait for the one the open block holds, while the
+    heartbeat keeps renewing the lease in that block)."""
+    if lease.completed_in_transaction:
+        error: type[LeaseError] = LeaseError
+        detail = "was already completed in a transaction by this run; a run completes once"
+    elif lease.in_transaction:
+        error = LeaseConfigurationError
+        detail = (
+            "opened exactly_once inside its exactly_once block; a run has one block: make "
+            "all its writes in it"
+        )
+    else:
+        return
+    raise error(
+        f"job {lease.job_id!r} (generation {lease.generation}) {detail}",
+        job_id=lease.job_id,
+        generation=lease.generation,
+    )
 
 
 @contextlib.contextmanager
@@ -336,7 +352,10 @@ class BlockRenewal:
         self._idle = IdleLimit(connection, store.dialect_name)
         self._watching = contextlib.ExitStack()
         try:
-            self._idle.set(lease.remaining() + lease.timing.drift_margin)
+            # the lease's whole ttl, as each renewal sets it, not what is
+            # left of it: a savepoint rolled back sets PostgreSQL's limit
+            # back to this one, while the lease keeps the renewal's time
+            self._idle.set(lease.timing.ttl)
         except StoreUnavailable as error:
             raise _unavailable(lease, str(error)) from error
         if unpatched.green_library() is not None:

@@ -165,7 +165,9 @@ class IdleLimit:
             if read_sql is not None and self._saved is None:
                 self._saved = self._conn.execute(sa.text(read_sql)).scalar()
             self._conn.execute(sa.text(set_sql), _limit_parameters(set_sql, seconds))
-        except exc.DBAPIError as error:
+        except exc.SQLAlchemyError as error:
+            # a DBAPIError, or SQLAlchemy's refusal to run on a connection
+            # it invalidated (PendingRollbackError): the session is gone
             raise StoreUnavailable(
                 f"could not bound the idle time of the task's transaction: "
                 f"{getattr(error, 'orig', None) or error}"
@@ -182,7 +184,7 @@ class IdleLimit:
         saved, self._saved = self._saved, None
         try:
             self._conn.execute(sa.text(self._statements[0]), {"seconds": saved})
-        except exc.DBAPIError as error:
+        except exc.SQLAlchemyError as error:  # as in set()
             raise StoreUnavailable(
                 f"could not set the session's idle limit back: "
                 f"{getattr(error, 'orig', None) or error}"

@@ -313,9 +313,34 @@ def fail_transiently(conn: sa.Connection) -> None:
         conn.execute(sa.text("SELECT fail()"))
 
 
+def end_session(conn: sa.Connection) -> None:
+    """The server ends ``conn``'s session (as an idle limit, an operator or a
+    restart would), from another connection; the task's next statement
+    finds the connection gone."""
+    if conn.dialect.name == "postgresql":
+        own, end = "SELECT pg_backend_pid()", "SELECT pg_terminate_backend({})"
+    else:
+        own, end = "SELECT CONNECTION_ID()", "KILL CONNECTION {}"
+    session = int(conn.exec_driver_sql(own).scalar_one())
+    with conn.engine.connect() as other:
+        other.exec_driver_sql(end.format(session))
+        other.commit()
+    conn.exec_driver_sql("SELECT 1")
+
+
+# a session ended on MySQL and MariaDB also sets the session's idle limit
+# back on a connection SQLAlchemy has invalidated
+@pytest.mark.parametrize("fail", [fail_transiently, end_session])
 def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
-    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+    app: Celery,
+    engine: sa.Engine,
+    effects: sa.Table,
+    recorder: Recorder,
+    fail: Callable[[sa.Connection], None],
 ) -> None:
+    if fail is end_session and engine.dialect.name == "sqlite":
+        pytest.skip("an SQLite connection has no server session to end")
+
     @app.task(shared=False, base=LeasedTask, bind=True, lease_ttl=2)
     def bill(self: LeasedTask) -> int:
         lease = self.lease
@@ -323,7 +348,7 @@ def test_a_transient_database_error_rolls_back_and_runs_the_job_again(
             insert(tx.connection, effects, lease)
             if not recorder.of("failed"):
                 recorder.add("failed", lease.generation)
-                fail_transiently(tx.connection)
+                fail(tx.connection)
             return tx.complete(lease.generation)
 
     with worker(app):
@@ -593,3 +618,78 @@ def test_a_block_whose_session_ends_keeps_only_the_committed_time(
     # before the time the renewals made in the ended transaction gave it
     assert left > 1.0
     assert rows_of(engine, effects, job) == 0
+
+
+class Undone(Exception):
+    """Rolls a savepoint back."""
+
+
+def test_a_savepoint_rolled_back_over_a_renewal_keeps_the_idle_limit_above_the_lease(
+    make_app: Callable[..., Celery], sql_url: str, unique: str, engine: sa.Engine, effects: sa.Table
+) -> None:
+    """A renewal made inside a savepoint that the task rolls back is undone
+    in the transaction, and PostgreSQL sets the transaction's idle limit back
+    to the value before the savepoint; the lease keeps the renewal's time.
+    That limit must still outlast the lease: a paused holder whose session
+    ended earlier would read alive while the next generation holds the job."""
+    if not sql_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL's idle limit is transactional (MySQL's is the session's)")
+    # the lock is taken late in a long renewal interval: the limit set then
+    # is far below what the renewal inside the savepoint gives the lease
+    app = make_app(sql_url, leases_store_options={"table_name": f"leases_{unique}"},
+                   leases_ttl=12, leases_renew_interval=8, leases_drift_margin=0.6)  # fmt: skip
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def undo(self: LeasedTask) -> dict[str, float]:
+        lease = self.lease
+        records = store_for(app).table  # type: ignore[attr-defined]
+        wait_until(lambda: lease.remaining() < lease.timing.safe_duration - 4, timeout=WAIT,
+                   message="half the renewal interval gone")  # fmt: skip
+        with exactly_once(self, engine) as tx:
+            conn = tx.connection
+            renewed = sa.select(records.c.renew_count).where(records.c.job_id == lease.job_id)
+            try:
+                with conn.begin_nested():
+                    before = conn.execute(renewed).scalar_one()
+                    wait_until(lambda: conn.execute(renewed).scalar_one() > before, timeout=WAIT,
+                               message="a renewal inside the savepoint")  # fmt: skip
+                    raise Undone
+            except Undone:
+                pass
+            remaining = lease.remaining()
+            limit = conn.exec_driver_sql(
+                "SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+            ).scalar_one()
+            insert(conn, effects, lease)
+            tx.complete(None)
+        return {"limit": int(limit) / 1000, "remaining": remaining}
+
+    with worker(app):
+        result = undo.delay().get(timeout=WAIT)
+    assert result["limit"] >= result["remaining"], result
+
+
+def test_a_block_inside_a_block_is_refused(
+    app: Celery, engine: sa.Engine, effects: sa.Table, recorder: Recorder
+) -> None:
+    """A second block opened inside the first would wait for the record's
+    lock the first one holds, while the heartbeat renews the lease in the
+    first one's transaction: refused at once instead, nothing written."""
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def nested(self: LeasedTask) -> None:
+        with exactly_once(self, engine) as tx:
+            insert(tx.connection, effects, self.lease)
+            try:
+                with exactly_once(self, engine):
+                    pass
+            except LeaseConfigurationError as error:
+                recorder.add("refused", str(error))
+                raise
+
+    with worker(app):
+        result = nested.delay()
+        with pytest.raises(LeaseConfigurationError):
+            result.get(timeout=WAIT)
+    assert "inside its exactly_once block" in recorder.of("refused")[0]
+    assert rows_of(engine, effects, result.id) == 0
