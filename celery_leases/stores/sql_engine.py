@@ -21,7 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask, secrets_of
@@ -123,41 +123,53 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
     try:
-        if not _checked(engine, table):
-            with engine.begin() as conn:
-                dialect.lock_for_ddl(conn, table_name)
-                try:
+        with engine.connect() as conn:
+            missing = _missing(conn, table)
+        if missing == []:
+            return table
+        # Absent, or seen between another process's CREATE TABLE and its
+        # CREATE INDEX: look again under the DDL lock, which that process
+        # holds until its table is whole.
+        with engine.begin() as conn:
+            dialect.lock_for_ddl(conn, table_name)
+            try:
+                missing = _missing(conn, table)
+                if missing is None:
                     table.metadata.create_all(conn, checkfirst=True)
-                finally:
-                    dialect.unlock_for_ddl(conn, table_name)
+            finally:
+                dialect.unlock_for_ddl(conn, table_name)
     except (exc.DBAPIError, exc.TimeoutError) as error:
         about = f"could not create the lease table {table_name!r} in {masked_url(engine)}"
         if permanent(error):
             raise LeaseConfigurationError(f"{about}: {reason(error)}. {FIX}") from error
         raise StoreUnavailable(f"{about}: {reason(error)}") from error
+    if missing:
+        raise _not_this_release(engine, table, missing)
     return table
 
 
-def _checked(engine: Engine, table: sa.Table) -> bool:
-    """True when ``table`` exists and is this release's lease table.
+def _missing(conn: Connection, table: sa.Table) -> list[str] | None:
+    """What ``table`` lacks of this release's lease table (``[]``: nothing),
+    or ``None`` when there is no such table.
 
     Raises:
-        LeaseConfigurationError: it exists and is not.
         sqlalchemy.exc.DBAPIError: the database could not be read.
     """
     try:
-        with engine.connect() as conn:
-            missing = missing_parts(conn, table)
+        return missing_parts(conn, table)
     except exc.NoSuchTableError:
-        return False
-    if missing:
-        raise LeaseConfigurationError(
-            f"the table {table.name!r} in {masked_url(engine)} is not this release's lease "
-            f"table: it lacks the {', '.join(missing)}. If its records can go, drop it "
-            "(DROP TABLE) and run `celery leases init-db` (Django: manage.py migrate "
-            "celery_leases zero, then migrate); or give the store another table_name"
-        )
-    return True
+        return None
+
+
+def _not_this_release(
+    engine: Engine, table: sa.Table, missing: list[str]
+) -> LeaseConfigurationError:
+    return LeaseConfigurationError(
+        f"the table {table.name!r} in {masked_url(engine)} is not this release's lease "
+        f"table: it lacks the {', '.join(missing)}. If its records can go, drop it "
+        "(DROP TABLE) and run `celery leases init-db` (Django: manage.py migrate "
+        "celery_leases zero, then migrate); or give the store another table_name"
+    )
 
 
 def check_table(engine: Engine, table: sa.Table) -> None:
@@ -171,8 +183,11 @@ def check_table(engine: Engine, table: sa.Table) -> None:
         LeaseConfigurationError: the table lacks a column or the index; the
             message names them and says what to do.
     """
-    with contextlib.suppress(exc.DBAPIError, exc.TimeoutError):
-        _checked(engine, table)
+    missing = None
+    with contextlib.suppress(exc.DBAPIError, exc.TimeoutError), engine.connect() as conn:
+        missing = _missing(conn, table)
+    if missing:
+        raise _not_this_release(engine, table, missing)
 
 
 #: a pooled connection idle this long (seconds) is pinged before a store
