@@ -239,20 +239,31 @@ def test_a_role_without_rights_on_the_lease_table_fails_the_job_at_once(
         "LEASES_TEST_ONCE_URL": role_without_lease_rights(request, lease_store_target, effects),
     }
     cluster.worker("a", app=ONCE_APP, env=env)
-    job = f"rights-{uuid.uuid4().hex[:8]}"
+    fails_once_with_nothing_written(
+        cluster, lease_store_target, effects, "no rights on the lease table",
+        match=r"permission denied|command denied",
+    )  # fmt: skip
+
+
+def fails_once_with_nothing_written(
+    cluster: Cluster, target: StoreTarget, effects: sa.Table, what: str, *, match: str
+) -> None:
+    """Send one job: it fails with LeaseConfigurationError (its message
+    matching ``match``) after one run, its lease released and no row written."""
+    job = f"refused-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     result = cluster.send(ONCE, task_id=job)
-    with pytest.raises(Exception, match=r"permission denied|command denied") as failed:
+    with pytest.raises(Exception, match=match) as failed:
         result.get(timeout=60)
     seconds = time.monotonic() - started
     record = cluster.record(job)
     assert record is not None
-    print(f"no rights on the lease table, {lease_store_target.kind}: runs {runs(cluster, job)}, "
+    print(f"{what}, {target.kind}: runs {runs(cluster, job)}, "
           f"{type(failed.value).__name__} in {seconds:.1f} s")  # fmt: skip
     assert type(failed.value).__name__ == "LeaseConfigurationError"
     assert runs(cluster, job) == 1
     assert record.state is LeaseState.RELEASED
-    assert effects_per_job(lease_store_target, effects, [job]) == {job: 0}
+    assert effects_per_job(target, effects, [job]) == {job: 0}
 
 
 @pytest.mark.parametrize("lease_store_target", ["postgres", "sqlite"], indirect=True)
@@ -264,20 +275,10 @@ def test_retry_inside_the_block_is_refused_at_once(
     block rolls back and the lease is released at once."""
     env = once_env(lease_store_target, effects, mode="retry-inside", kill_at="")
     worker = cluster.worker("a", app=ONCE_APP, env=env)
-    job = f"retry-{uuid.uuid4().hex[:8]}"
-    started = time.monotonic()
-    result = cluster.send(ONCE, task_id=job)
-    with pytest.raises(Exception, match=r"self\.retry\(\) was called inside") as refused:
-        result.get(timeout=60)
-    seconds = time.monotonic() - started
-    record = cluster.record(job)
-    assert record is not None
-    print(f"retry() inside the block, {lease_store_target.kind}: runs {runs(cluster, job)}, "
-          f"{type(refused.value).__name__} in {seconds:.1f} s")  # fmt: skip
-    assert type(refused.value).__name__ == "LeaseConfigurationError"
-    assert runs(cluster, job) == 1
-    assert record.state is LeaseState.RELEASED
-    assert effects_per_job(lease_store_target, effects, [job]) == {job: 0}
+    fails_once_with_nothing_written(
+        cluster, lease_store_target, effects, "retry() inside the block",
+        match=r"self\.retry\(\) was called inside",
+    )  # fmt: skip
     assert "could not release" not in worker.log()
 
 
