@@ -622,6 +622,10 @@ class Channel(filesystem.Channel):
         # requeued: kombu's QoS calls _restore_at_beginning, which puts the file back
         super().basic_reject(delivery_tag, requeue)  # type: ignore[no-untyped-call]
 
+    # kombu has no public hook for putting a message back: its QoS calls the
+    # channel's _restore on a requeue, a recover and the channel's close.
+    # tests/integration/test_filesystem_broker.py (requeue, clean close) fails
+    # if kombu stops calling it: the file would not come back under its name.
     def _restore(self, message: Any) -> None:
         """Put an unacknowledged message back (a requeue, a recover, the channel's
         close): its own file, moved back into the queue. kombu's own, which
