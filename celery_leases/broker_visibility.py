@@ -408,7 +408,7 @@ def stop() -> None:
 def _on_claimed(sender: Any, lease: Lease | None = None, **_: Any) -> None:
     if lease is None:
         return
-    app = sender._get_app()
+    app = sender.app
     if app not in _enabled_apps:
         return
     transport = visibility_transport(app)

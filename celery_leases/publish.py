@@ -77,6 +77,9 @@ def deferrals_of(request: Any) -> int:
 def _outside_task_context() -> Iterator[None]:
     # Celery makes the running task the parent of whatever it sends, and
     # adds it to its children; a copy of the message is neither.
+    # Celery has no public way to send from a running task without making the
+    # message its child (send_task fills a missing parent_id from the current
+    # task); tests/integration/test_task_semantics.py pins it (a copy is no child).
     saved = []
     while _task_stack.top is not None:
         saved.append(_task_stack.pop())
@@ -91,7 +94,7 @@ def capped_countdown(task: Any, countdown: float) -> float:
     """``countdown``, capped below the broker's consumer or visibility timeout
     (:func:`~celery_leases.broker_checks.countdown_cap`): the copy is held
     unacknowledged until its countdown ends."""
-    cap = countdown_cap(task._get_app())
+    cap = countdown_cap(task.app)
     return countdown if cap is None else min(countdown, cap)
 
 
@@ -124,7 +127,7 @@ def publish_again(
     serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
     if serializer:
         options["serializer"] = serializer
-    route = settings_for(task._get_app()).republish_options if reason in ROUTED_REASONS else {}
+    route = settings_for(task.app).republish_options if reason in ROUTED_REASONS else {}
     if route.get("priority") is not None:
         options["priority"] = route["priority"]
     signature = task.signature_from_request(

@@ -216,7 +216,7 @@ def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
         raise Ignore()
     outcome = getattr(claim, "outcome", None)
     if outcome is not None:
-        app = task._get_app()
+        app = task.app
         kind, value = decode(
             outcome,
             serializer=app.conf.result_serializer,
@@ -293,7 +293,7 @@ def defer_unavailable(
     """Publish the message again with exponential backoff, capped at ``defer_max``."""
     if request.is_eager or request.called_directly:
         raise exc
-    settings = settings_for(task._get_app())
+    settings = settings_for(task.app)
     countdown = backoff_delay(
         settings.defer_backoff, deferrals_of(request), cap=defer_max, jitter=0.2
     )

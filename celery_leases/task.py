@@ -131,25 +131,25 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def lease_timing(self) -> LeaseTiming:
         """This task's TTL, renew interval and drift margin, validated."""
-        return settings_for(self._get_app()).timing(
+        return settings_for(self.app).timing(
             self.lease_ttl, self.lease_renew_interval, self.lease_drift_margin
         )
 
     def lease_on_lost_mode(self) -> OnLost:
         """This task's ``on_lost`` mode, validated."""
         if self.lease_on_lost is None:
-            return settings_for(self._get_app()).on_lost
+            return settings_for(self.app).on_lost
         return check_on_lost(self.lease_on_lost, f"{self.name}.lease_on_lost")
 
     def lease_takeover_limit(self) -> int | None:
         """This task's takeover limit (None: no limit), validated."""
         if self.lease_max_takeovers is None:
-            return settings_for(self._get_app()).max_takeovers
+            return settings_for(self.app).max_takeovers
         return check_max_takeovers(self.lease_max_takeovers, f"{self.name}.lease_max_takeovers")
 
     def lease_defer_limit(self) -> float:
         """The longest deferral of this task (seconds), validated."""
-        settings = settings_for(self._get_app())
+        settings = settings_for(self.app)
         if self.lease_defer_max is None:
             return settings.defer_max
         return check_defer_max(self.lease_defer_max, f"{self.name}.lease_defer_max")
@@ -157,15 +157,15 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     def lease_options(self) -> TaskOptions:
         """Every lease option of this task, resolved once per process."""
         return task_options(
-            self._get_app(),
+            self.app,
             self.name,
             lambda: TaskOptions(
                 self.lease_timing(),
                 self.lease_on_lost_mode(),
                 self.lease_takeover_limit(),
                 self.lease_defer_limit(),
-                self._get_app().conf.result_serializer,
-                settings_for(self._get_app()).result_max_bytes,
+                self.app.conf.result_serializer,
+                settings_for(self.app).result_max_bytes,
             ),
         )
 
@@ -248,6 +248,9 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if top is not None and not running(top):
             return self._run_leased(args, kwargs)
         # called directly (also from inside a running body): a request of its own
+        # Celery has no public way to make a task the current one for a direct call
+        # (its own Task.__call__ pushes this stack); tests/integration/
+        # test_task_semantics.py pins it (a direct call is the current task).
         _task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs, called_directly=True)
         try:
@@ -258,7 +261,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def _run_leased(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
-        app = self._get_app()
+        app = self.app
         options = self.lease_options()
         # a direct call inside a body sees the outer request's id, as in plain
         # Celery, but it is a run of its own

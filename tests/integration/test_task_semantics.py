@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from celery import Celery, chain
+from celery import Celery, chain, current_task
 from celery.signals import before_task_publish, task_postrun
 
 import celery_leases
@@ -132,6 +132,24 @@ def test_a_task_calling_itself_directly_runs_every_call(
     assert [n for n, _ in calls] == [5, 4, 3, 2, 1]
     assert {task_id for _, task_id in calls} == {result.id}  # as in plain Celery
     assert recorder.of("duplicate_deferred") == []
+
+
+def test_a_direct_call_is_the_current_task_as_in_plain_celery(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app()
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def leased(self: LeasedTask) -> bool:
+        return current_task._get_current_object() is self
+
+    @app.task(shared=False, bind=True)
+    def plain(self: Any) -> bool:
+        return current_task._get_current_object() is self
+
+    assert plain() is True  # Celery's own Task.__call__
+    assert leased() is True
+    assert current_task._get_current_object() is None
 
 
 def test_a_task_calling_itself_directly_runs_every_call_in_eager_mode(
