@@ -609,7 +609,7 @@ def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) ->
     leaves out the network, the client and the AOF fsync, which Redis does
     after the command, before it answers.
     """
-    from celery_leases.stores.redis_scripts import CLAIM_SCRIPT, COMPLETE_SCRIPT
+    from celery_leases.stores.redis._scripts import CLAIM_SCRIPT, COMPLETE_SCRIPT
 
     client, _ = _redis_client(store, url)
     shas = (_text(client.script_load(CLAIM_SCRIPT)), _text(client.script_load(COMPLETE_SCRIPT)))

@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from celery_leases.fencing.redis import RedisFence as RedisFence
     from celery_leases.fencing.sql import SqlFences as SqlFences
     from celery_leases.pytest_plugin import LeaseFaults as LeaseFaults
+    from celery_leases.stores.redis import RedisClusterStore as RedisClusterStore
     from celery_leases.stores.redis import RedisStore as RedisStore
-    from celery_leases.stores.redis_cluster import RedisClusterStore as RedisClusterStore
     from celery_leases.stores.sql import SqlStore as SqlStore
 
 #: names whose modules need an extra (or pytest): imported on first use
@@ -66,7 +66,7 @@ _LAZY = {
     "SqlFences": ("celery_leases.fencing.sql", "sqlalchemy"),
     "LeaseFaults": ("celery_leases.pytest_plugin", "dev"),
     "RedisStore": ("celery_leases.stores.redis", "redis"),
-    "RedisClusterStore": ("celery_leases.stores.redis_cluster", "redis"),
+    "RedisClusterStore": ("celery_leases.stores.redis", "redis"),
     "SqlStore": ("celery_leases.stores.sql", "sqlalchemy"),
 }
 

@@ -62,7 +62,7 @@ from celery_leases.outcome import encode_value
 from celery_leases.run_steps import outcome_options
 from celery_leases.stores.base import Refusal, RenewRequest, RenewResult
 from celery_leases.stores.deadline import time_left
-from celery_leases.stores.sql_errors import permanent, reason, refused_for_good
+from celery_leases.stores.sql import permanent, reason, refused_for_good
 
 __all__ = ["BlockRenewal", "Bind", "ExactlyOnce", "exactly_once"]
 

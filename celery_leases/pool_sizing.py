@@ -19,7 +19,7 @@ of that many, unless ``leases_store_options`` sets
 ``pool_size``, ``max_overflow`` or ``poolclass`` itself; a pool below the
 concurrency is named in a warning. The heartbeat's renewals share it (they
 are among the spare connections). A store call waits for a connection of
-the pool at most until its deadline (:mod:`celery_leases.stores.sql_pool`).
+the pool at most until its deadline (:mod:`celery_leases.stores.sql`).
 """
 
 from __future__ import annotations
@@ -144,7 +144,10 @@ _SQL_POOL_OPTIONS = ("pool_size", "max_overflow", "poolclass", "pool", "creator"
 
 def _size_sql_pool(app: Any, options: dict[str, Any], tasks: int) -> str | None:
     """:func:`size_task_pool` for a SQL store (see the module's docstring)."""
-    from celery_leases.stores.sql_pool import MAX_OVERFLOW, POOL_SIZE, pool_capacity
+    try:
+        from celery_leases.stores.sql import MAX_OVERFLOW, POOL_SIZE, pool_capacity
+    except ImportError:
+        return None  # SQLAlchemy is missing: the start check says what to install
 
     wanted = tasks + SPARE_CONNECTIONS
     if not options.keys() & set(_SQL_POOL_OPTIONS):

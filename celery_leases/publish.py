@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from celery._state import _task_stack
+from celery._state import _task_stack  # no public API; tests/unit/test_layout.py pins it
 from celery.exceptions import Reject
 from kombu.serialization import registry
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from celery import Task
-from celery._state import _task_stack
+from celery._state import _task_stack  # no public API; tests/unit/test_layout.py pins it
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_leases import observe, signals

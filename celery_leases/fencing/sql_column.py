@@ -24,7 +24,7 @@ from celery_leases.fencing import (
     decide,
     stale_token_error,
 )
-from celery_leases.fencing.sql_dialect import _insert_for, _is_mysql, _lock_or_insert, _newer
+from celery_leases.fencing.sql_dialect import insert_for, is_mysql, lock_or_insert, newer
 
 __all__ = ["DEFAULT_FENCE_COLUMN", "fenced_update", "fenced_upsert"]
 
@@ -43,12 +43,10 @@ def _fence_column(table: sa.Table, fence_column: str) -> sa.Column[Any]:
 def _column_may_write(
     column: ColumnElement[Any], generation: int, on_repeat: OnRepeat
 ) -> ColumnElement[bool]:
-    return sa.or_(
-        column.is_(None), _newer(column, sa.literal(generation, sa.BigInteger), on_repeat)
-    )
+    return sa.or_(column.is_(None), newer(column, sa.literal(generation, sa.BigInteger), on_repeat))
 
 
-def _refused_on_column(
+def refused_on_column(
     resource: str,
     job_id: str,
     generation: int,
@@ -126,7 +124,7 @@ def fenced_update(
     if not found[0]:
         return FenceResult(name, job_id, generation, applied=False, rowcount=0)
     accepted = None if found[1] is None else int(found[1])
-    return _refused_on_column(name, job_id, generation, on_repeat, accepted)
+    return refused_on_column(name, job_id, generation, on_repeat, accepted)
 
 
 def fenced_upsert(
@@ -166,11 +164,11 @@ def fenced_upsert(
             f"fenced_upsert into {table.name!r} needs the primary key in values; "
             f"missing {missing or 'a primary key on the table'}"
         )
-    if _is_mysql(conn):
+    if is_mysql(conn):
         return _upsert_locked(
             conn, table, values, keys, column, name, job_id, generation, on_repeat
         )
-    insert = _insert_for(conn, table).values({**values, fence_column: generation})
+    insert = insert_for(conn, table).values({**values, fence_column: generation})
     updates = {k: insert.excluded[k] for k in values if k not in {key.name for key in keys}}
     updates[fence_column] = insert.excluded[fence_column]
     statement = insert.on_conflict_do_update(
@@ -183,7 +181,7 @@ def fenced_upsert(
     stored = conn.execute(
         sa.select(column).where(*(key == values[key.name] for key in keys))
     ).scalar_one()
-    return _refused_on_column(
+    return refused_on_column(
         name, job_id, generation, on_repeat, None if stored is None else int(stored)
     )
 
@@ -201,7 +199,7 @@ def _upsert_locked(
 ) -> FenceResult:
     """MySQL: lock the row (or insert it), decide on its fence column, then update it."""
     key = {k.name: values[k.name] for k in keys}
-    row = _lock_or_insert(conn, table, key, {**values, column.name: generation}, (column,))
+    row = lock_or_insert(conn, table, key, {**values, column.name: generation}, (column,))
     if row is None:
         return FenceResult(name, job_id, generation, applied=True, rowcount=1)
     stored = None if row[0] is None else int(row[0])

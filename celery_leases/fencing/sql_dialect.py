@@ -6,7 +6,7 @@ every fenced form of :mod:`celery_leases.fencing.sql` builds on these.
 
 MySQL and MariaDB have an upsert (``ON DUPLICATE KEY UPDATE``) without a
 condition that reports whether it wrote, so there a fenced write inserts or
-locks the row (:func:`_lock_or_insert`), decides on what it read, and then
+locks the row (:func:`lock_or_insert`), decides on what it read, and then
 updates it.
 """
 
@@ -24,7 +24,7 @@ from sqlalchemy.sql.expression import ColumnElement
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing import OnRepeat
-from celery_leases.stores.sql_table import MYSQL_NAMES, MYSQL_NOW_MS, MYSQL_ROW_EXISTED
+from celery_leases.stores.sql import MYSQL_NAMES, MYSQL_NOW_MS, MYSQL_ROW_EXISTED
 
 __all__ = ["MYSQL_NOW_MS", "POSTGRES_NOW_MS", "SQLITE_NOW_MS"]
 
@@ -36,11 +36,11 @@ POSTGRES_NOW_MS = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS B
 SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
 
 
-def _is_mysql(conn: Connection) -> bool:
+def is_mysql(conn: Connection) -> bool:
     return conn.dialect.name in MYSQL_NAMES
 
 
-def _lock_or_insert(
+def lock_or_insert(
     conn: Connection,
     table: sa.Table,
     key: Mapping[str, Any],
@@ -82,7 +82,7 @@ def _lock_or_insert(
     return conn.execute(locate).one()
 
 
-def _insert_for(conn: Connection, table: sa.Table) -> Any:
+def insert_for(conn: Connection, table: sa.Table) -> Any:
     """The dialect's INSERT, which has ``on_conflict_do_update``."""
     name = conn.dialect.name
     if name == "postgresql":
@@ -94,7 +94,7 @@ def _insert_for(conn: Connection, table: sa.Table) -> Any:
     )
 
 
-def _newer(
+def newer(
     stored: ColumnElement[Any], incoming: ColumnElement[Any], on_repeat: OnRepeat
 ) -> ColumnElement[bool]:
     """SQL for "the incoming generation may be written over the stored one"."""
@@ -103,12 +103,12 @@ def _newer(
     return stored < incoming
 
 
-def _now_ms(conn: Connection) -> ColumnElement[int]:
+def now_ms(conn: Connection) -> ColumnElement[int]:
     if conn.dialect.name == "postgresql":
         return sa.literal_column(POSTGRES_NOW_MS, sa.BigInteger)
     if conn.dialect.name == "sqlite":
         return sa.literal_column(SQLITE_NOW_MS, sa.BigInteger)
-    if _is_mysql(conn):
+    if is_mysql(conn):
         return sa.literal_column(MYSQL_NOW_MS, sa.BigInteger)
     raise LeaseConfigurationError(
         f"fenced_transaction needs PostgreSQL, SQLite or MySQL/MariaDB, not {conn.dialect.name!r}"

@@ -36,7 +36,7 @@ from celery_leases.errors import (
     LeaseLost,
     StoreUnavailable,
 )
-from celery_leases.fencing.sql_transaction import _lease_lost
+from celery_leases.fencing.sql_transaction import lease_lost_error
 from celery_leases.stores.base import (
     CompleteResult,
     LeaseRecord,
@@ -44,8 +44,7 @@ from celery_leases.stores.base import (
     Refusal,
     RenewResult,
 )
-from celery_leases.stores.sql_errors import permanent
-from celery_leases.stores.sql_table import IDLE_LIMITS
+from celery_leases.stores.sql import IDLE_LIMITS, permanent
 
 __all__ = [
     "IdleLimit",
@@ -107,7 +106,7 @@ def lock_in_transaction(
         if store.lock_in(conn, job_id, owner, generation):
             _check_in_transaction(conn)
             return
-        lost = _lease_lost(conn, store.table, job_id, owner, generation)
+        lost = lease_lost_error(conn, store.table, job_id, owner, generation)
     except exc.DBAPIError as error:
         raise _statement_error(error, store, "lock", job_id, owner, generation) from error
     _check_same_record(store, lost, job_id, owner, generation)

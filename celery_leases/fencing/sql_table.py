@@ -25,8 +25,8 @@ from celery_leases.fencing import (
     decide,
     stale_token_error,
 )
-from celery_leases.fencing.sql_dialect import _insert_for, _is_mysql, _lock_or_insert, _newer
-from celery_leases.stores.sql_table import _key_text
+from celery_leases.fencing.sql_dialect import insert_for, is_mysql, lock_or_insert, newer
+from celery_leases.stores.sql import key_text
 
 __all__ = [
     "DEFAULT_FENCE_TABLE",
@@ -50,8 +50,8 @@ def fence_table(metadata: sa.MetaData, name: str = DEFAULT_FENCE_TABLE) -> sa.Ta
         name,
         metadata,
         # compared byte for byte also in MySQL, whose collations ignore case
-        sa.Column("resource", _key_text(), primary_key=True),
-        sa.Column("job_id", _key_text(), nullable=False),
+        sa.Column("resource", key_text(), primary_key=True),
+        sa.Column("job_id", key_text(), nullable=False),
         sa.Column("generation", sa.BigInteger, nullable=False),
         sa.Column(
             "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
@@ -118,14 +118,12 @@ def advance_fence(
     job_id, generation = check_token(token)
     on_repeat = check_on_repeat(on_repeat)
     table = _DEFAULT_FENCES if fences is None else fences
-    if _is_mysql(conn):
+    if is_mysql(conn):
         return _advance_locked(conn, table, resource, job_id, generation, on_repeat)
-    insert = _insert_for(conn, table).values(
-        resource=resource, job_id=job_id, generation=generation
-    )
+    insert = insert_for(conn, table).values(resource=resource, job_id=job_id, generation=generation)
     stored = table.c.generation
     incoming = insert.excluded.generation
-    condition = _newer(stored, incoming, on_repeat)
+    condition = newer(stored, incoming, on_repeat)
     if on_repeat == "apply":
         # an equal generation of *another* job is never a repeat
         condition = sa.or_(
@@ -167,7 +165,7 @@ def _advance_locked(
 ) -> FenceResult:
     """MySQL: lock the fence's row (or insert it), decide, then move it."""
     values = {"resource": resource, "job_id": job_id, "generation": generation}
-    row = _lock_or_insert(
+    row = lock_or_insert(
         conn, table, {"resource": resource}, values, (table.c.job_id, table.c.generation)
     )
     if row is None:

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
 from celery_leases.fencing import HolderToken, check_token
-from celery_leases.fencing.sql_dialect import _now_ms
+from celery_leases.fencing.sql_dialect import now_ms
 from celery_leases.stores.base import LeaseRecord, LeaseState, refusal_for
 
 __all__ = ["SqlLeaseStore", "fenced_transaction"]
@@ -36,7 +36,7 @@ def _check_holder(lease: HolderToken) -> tuple[str, str, int]:
     return job_id, owner, generation
 
 
-def _lease_lost(
+def lease_lost_error(
     conn: Connection, lease_table: sa.Table, job_id: str, owner: str, generation: int
 ) -> LeaseLost:
     """Describe why the lease check found no current lease."""
@@ -133,7 +133,7 @@ def fenced_transaction(store: SqlLeaseStore, lease: HolderToken) -> Iterator[Con
                 c.owner == owner,
                 c.generation == generation,
                 c.state == LeaseState.HELD.value,
-                c.lease_until > _now_ms(conn),
+                c.lease_until > now_ms(conn),
             )
             # compiled to nothing on SQLite, where BEGIN IMMEDIATE locks instead
             .with_for_update()
@@ -151,5 +151,5 @@ def fenced_transaction(store: SqlLeaseStore, lease: HolderToken) -> Iterator[Con
                     generation=generation,
                 ) from error
             if current is None:
-                raise _lease_lost(conn, leases, job_id, owner, generation)
+                raise lease_lost_error(conn, leases, job_id, owner, generation)
             yield conn

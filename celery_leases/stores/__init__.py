@@ -147,7 +147,7 @@ def _open(scheme: str, url: str, options: dict[str, Any]) -> LeaseStore:
         return RedisStore.from_url(url, **options)
     if scheme in _CLUSTER_SCHEMES:
         try:
-            from celery_leases.stores.redis_cluster import RedisClusterStore
+            from celery_leases.stores.redis import RedisClusterStore
         except ImportError as exc:
             raise _missing("redis", exc) from exc
         return RedisClusterStore.from_url(url, **options)

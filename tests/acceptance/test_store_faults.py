@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_leases import Acquired, LeaseState, TakeoverLimitExceeded
-from celery_leases.stores.redis_scripts import COMPLETE_SCRIPT
+from celery_leases.stores.redis._scripts import COMPLETE_SCRIPT
 from tests.acceptance.app import ECHO, EFFECTS, STEPS
 from tests.acceptance.conftest import Cluster, StoreTarget
 from tests.acceptance.harness import wait_until

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from celery_leases.stores.sql import lease_table
-from celery_leases.stores.sql_indexes import indexes_in
+from celery_leases.stores.sql._indexes import indexes_in
 from tests.docs.test_code_blocks import ROOT
 
 SQL_BLOCKS = "\n".join(

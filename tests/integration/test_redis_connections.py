@@ -36,7 +36,7 @@ from redis.retry import Retry
 from celery_leases import Acquired, Completed, StoreUnavailable
 from celery_leases.stores.base import Renewed, RenewRequest
 from celery_leases.stores.redis import RedisStore
-from celery_leases.stores.redis_connections import client_options
+from celery_leases.stores.redis._connections import client_options
 from tests.acceptance.harness import REPO_ROOT
 from tests.proxy import Proxy
 from tests.servers import RedisServer
@@ -564,7 +564,7 @@ else:
     eventlet.monkey_patch()
 import redis
 from celery_leases import unpatched
-from celery_leases.stores.redis_connections import renewal_client
+from celery_leases.stores.redis._connections import renewal_client
 client = redis.Redis.from_url(url)
 renew = renewal_client(client, 2)
 pool = renew.connection_pool

@@ -33,10 +33,10 @@ from celery_leases import (
     StoreUnavailable,
     open_store,
 )
-from celery_leases.stores import redis_batches
 from celery_leases.stores.base import Refusal
 from celery_leases.stores.redis import RedisConfigWarning, RedisStore
-from celery_leases.stores.redis_scripts import RENEW_MANY_SCRIPT
+from celery_leases.stores.redis import _batches as redis_batches
+from celery_leases.stores.redis._scripts import RENEW_MANY_SCRIPT
 from tests.conftest import serve
 from tests.operations import every_operation
 from tests.servers import RedisServer, free_port

@@ -30,7 +30,7 @@ from celery_leases import (
 from celery_leases.errors import LeaseConfigurationError, StaleFencingToken
 from celery_leases.fencing import Token
 from celery_leases.fencing.redis import RedisFence
-from celery_leases.stores.redis_sentinel import parse_sentinel_url
+from celery_leases.stores.redis._sentinel import parse_sentinel_url
 from tests.conftest import serve
 from tests.leases import until_reachable
 from tests.servers import RedisServer, SentinelGroup

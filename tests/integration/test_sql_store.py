@@ -38,9 +38,10 @@ from celery_leases import (
     StoreUnavailable,
     open_store,
 )
-from celery_leases.stores import sql, sql_records
-from celery_leases.stores.sql import SqlStore, create_table, lease_table
-from celery_leases.stores.sql_engine import PING_AFTER_IDLE
+from celery_leases.stores import sql
+from celery_leases.stores.sql import SqlStore, _sqlite, create_table, lease_table
+from celery_leases.stores.sql import _records as sql_records
+from celery_leases.stores.sql._engine import PING_AFTER_IDLE
 from tests.operations import every_operation
 from tests.proxy import Proxy
 from tests.servers import MariadbServer, PostgresServer
@@ -328,8 +329,8 @@ def test_in_memory_sqlite_is_refused() -> None:
 
 def test_sqlite_older_than_3_35_is_refused() -> None:
     with pytest.raises(LeaseConfigurationError, match=r"3\.35\.0 or newer.*3\.34\.1"):
-        sql._check_sqlite_version((3, 34, 1))
-    sql._check_sqlite_version(sqlite3.sqlite_version_info)  # this machine's is fine
+        _sqlite.check_sqlite_version((3, 34, 1))
+    _sqlite.check_sqlite_version(sqlite3.sqlite_version_info)  # this machine's is fine
 
 
 def test_unparsable_url_is_a_configuration_error() -> None:

@@ -26,7 +26,7 @@ from sqlalchemy.pool import Pool
 from celery_leases import Acquired, Completed, Released, Renewed, RenewRequest, StoreUnavailable
 from celery_leases.stores.deadline import bounded
 from celery_leases.stores.sql import SqlStore
-from celery_leases.stores.sql_engine import PING_AFTER_IDLE
+from celery_leases.stores.sql._engine import PING_AFTER_IDLE
 from tests.operations import every_operation
 from tests.proxy import Proxy
 from tests.servers import MariadbServer, PostgresServer

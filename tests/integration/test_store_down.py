@@ -139,7 +139,7 @@ def test_sqlite_path_in_a_missing_directory_is_a_configuration_error(tmp_path: P
 def test_sqlite_locked_past_the_busy_timeout_is_unavailable_then_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from celery_leases.stores import sql
+    from celery_leases.stores.sql import _store as sql
 
     # wait half a second for the write lock instead of ten
     monkeypatch.setattr(sql, "SQLITE_BUSY_TIMEOUT", 0.5)

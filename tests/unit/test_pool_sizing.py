@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -206,3 +208,31 @@ def test_a_sql_pool_the_user_sized_is_kept_and_one_too_small_named(
         assert warned in warning
         assert "below the worker's concurrency (20)" in warning
     assert dict(app.conf.leases_store_options) == options
+
+
+def test_a_sql_store_without_sqlalchemy_is_left_to_the_start_check() -> None:
+    """The pool is sized before the start check, which names the package to
+    install: without SQLAlchemy the sizing steps aside instead of failing
+    with an ImportError (a process of its own, where SQLAlchemy cannot be
+    imported)."""
+    script = (
+        "import sys; sys.modules['sqlalchemy'] = None\n"
+        "from celery import Celery\n"
+        "from celery_leases.pool_sizing import size_task_pool\n"
+        "from celery_leases.stores import open_store\n"
+        "from celery_leases.errors import LeaseConfigurationError\n"
+        "app = Celery('sizing', set_as_current=False)\n"
+        "app.conf.leases_store = 'postgresql+psycopg://u@127.0.0.1:1/leases'\n"
+        "print(size_task_pool(app, 'threads', 20))\n"
+        "try:\n"
+        "    open_store(app.conf.leases_store)\n"
+        "except LeaseConfigurationError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    sized, refused = done.stdout.splitlines()
+    assert sized == "None"
+    assert "pip install" in refused

@@ -38,7 +38,7 @@ from sqlalchemy.pool import NullPool
 from celery_leases.contrib.django.store import connection_arguments
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, StatementTurns, run_once
-from celery_leases.stores.sql_table import MYSQL_NAMES
+from celery_leases.stores.sql import MYSQL_NAMES
 
 __all__ = ["exactly_once"]
 

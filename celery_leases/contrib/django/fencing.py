@@ -34,7 +34,7 @@ from celery_leases.fencing import (
     decide,
     stale_token_error,
 )
-from celery_leases.fencing.sql_column import DEFAULT_FENCE_COLUMN, _refused_on_column
+from celery_leases.fencing.sql_column import DEFAULT_FENCE_COLUMN, refused_on_column
 
 __all__ = ["DEFAULT_FENCE_COLUMN", "advance_fence", "fenced_save", "fenced_update"]
 
@@ -111,7 +111,7 @@ def fenced_update(
     if not found["rows"]:
         return FenceResult(name, job_id, generation, applied=False, rowcount=0)
     accepted = None if found["newest"] is None else int(found["newest"])
-    return _refused_on_column(name, job_id, generation, on_repeat, accepted)
+    return refused_on_column(name, job_id, generation, on_repeat, accepted)
 
 
 def fenced_save(

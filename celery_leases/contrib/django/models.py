@@ -62,7 +62,7 @@ class Lease(models.Model):
         db_table = "celery_leases"
         verbose_name = "lease"
         # the index is made by the migrations, as the SQL store makes it
-        # (module celery_leases.stores.sql_indexes): in PostgreSQL a partial
+        # (celery_leases.stores.sql.indexes_in): in PostgreSQL a partial
         # one, which a model's Meta.indexes cannot name per database
 
     def __str__(self) -> str:

@@ -14,8 +14,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
-from celery_leases.stores.sql import DEFAULT_TABLE_NAME, lease_table
-from celery_leases.stores.sql_indexes import indexes_in
+from celery_leases.stores.sql import DEFAULT_TABLE_NAME, indexes_in, lease_table
 
 __all__ = ["create_statements", "drop_statements"]
 

@@ -1,6 +1,6 @@
 """The lease table's secondary index, per database.
 
-Used by :mod:`celery_leases.stores.sql_table` (the table's definition and
+Used by :mod:`celery_leases.stores.sql._table` (the table's definition and
 its check) and by the Django migration.
 
 The index serves ``purge`` (completed and released records by age) and the

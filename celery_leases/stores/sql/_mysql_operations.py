@@ -1,6 +1,6 @@
 """The SQL lease store's operations on MySQL and MariaDB (InnoDB).
 
-Used by :mod:`celery_leases.stores.sql`. MySQL has no ``UPDATE ...
+Used by :mod:`celery_leases.stores.sql._store`. MySQL has no ``UPDATE ...
 RETURNING`` and its upsert has no condition, so a claim and a renewal
 decide on records they hold locked, in one transaction::
 
@@ -56,9 +56,9 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
-from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
-from celery_leases.stores.sql_statements import _Statements
-from celery_leases.stores.sql_table import MYSQL_ROW_EXISTED, _Dialect
+from celery_leases.stores.sql._operations import CLAIM_ATTEMPTS, Operations
+from celery_leases.stores.sql._statements import Statements
+from celery_leases.stores.sql._table import MYSQL_ROW_EXISTED, SqlDialect
 
 __all__ = ["MysqlOperations"]
 
@@ -77,7 +77,7 @@ def _error_number(error: exc.DBAPIError) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
-def _claim_upsert(t: sa.Table, dialect: _Dialect) -> Any:
+def _claim_upsert(t: sa.Table, dialect: SqlDialect) -> Any:
     """INSERT the first claim of a job, or lock its record and change nothing.
 
     ``LAST_INSERT_ID(expr)`` sets the statement's insert id, which the reply
@@ -105,7 +105,7 @@ def _claim_upsert(t: sa.Table, dialect: _Dialect) -> Any:
 
 
 @dataclass(frozen=True)
-class _MysqlStatements:
+class MysqlStatements:
     """MySQL's own statements, built once per store."""
 
     #: the clock, and the records of ``:p_job_ids`` locked FOR UPDATE (one
@@ -119,7 +119,7 @@ class _MysqlStatements:
     renew_locked: Any
 
     @classmethod
-    def build(cls, table: sa.Table, dialect: _Dialect) -> _MysqlStatements:
+    def build(cls, table: sa.Table, dialect: SqlDialect) -> MysqlStatements:
         t = table
         n = sa.select(dialect.now_ms().label("now")).subquery("n")
         held = LeaseState.HELD.value
@@ -174,7 +174,7 @@ class _MysqlStatements:
 class MysqlOperations(Operations):
     """The operations on one store's table in MySQL or MariaDB."""
 
-    def __init__(self, statements: _Statements, where: str, mysql: _MysqlStatements) -> None:
+    def __init__(self, statements: Statements, where: str, mysql: MysqlStatements) -> None:
         super().__init__(statements, where)
         self.mysql = mysql
 

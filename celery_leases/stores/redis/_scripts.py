@@ -30,7 +30,7 @@ __all__ = [
 # Store time in integer milliseconds from the server's clock, and integer
 # formatting: Lua numbers are doubles, and the default conversion of a
 # number to a string may use an exponent for large values.
-_PRELUDE = """
+PRELUDE = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -60,7 +60,7 @@ end
 
 # The record's fields, one HMGET (a record mostly there: renew, complete,
 # release, the operator's scripts).
-_READ = """
+READ = """
 -- The fields of the record at key: nil when there is none, false when it
 -- cannot be read. One HMGET answers for a readable record; a key of another
 -- type answers WRONGTYPE (any other error, such as a Cluster key this node
@@ -145,7 +145,7 @@ end
 #:         {3, generation, send_id, outcome or nil}    already completed by this run
 #:         {4}                                         the record cannot be read
 CLAIM_SCRIPT = (
-    _PRELUDE
+    PRELUDE
     + _READ_ALL
     + _SPLITTER
     + """
@@ -240,8 +240,8 @@ local now = now_ms()
 #: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation, ARGV[3] ttl in ms.
 #: Returns {1, lease_until, now} renewed, or a fenced refusal (see above).
 RENEW_SCRIPT = (
-    _PRELUDE
-    + _READ
+    PRELUDE
+    + READ
     + _FENCE
     + """
 local lease_until = now + tonumber(ARGV[3])
@@ -265,8 +265,8 @@ return {1, lease_until, now}
 #: caller renews each lease alone). A single server ignores the flag.
 RENEW_MANY_SCRIPT = (
     "#!lua flags=allow-cross-slot-keys\n"
-    + _PRELUDE
-    + _READ
+    + PRELUDE
+    + READ
     + _SPLITTER
     + _FENCE_FUNCTIONS
     + """
@@ -302,8 +302,8 @@ return replies
 #: bytes (absent when there is no outcome).
 #: Returns 1 completed, or a fenced refusal (see above).
 COMPLETE_SCRIPT = (
-    _PRELUDE
-    + _READ
+    PRELUDE
+    + READ
     + _FENCE
     + """
 if ARGV[3] then
@@ -323,8 +323,8 @@ return 1
 #: KEYS[1] record key; ARGV[1] owner, ARGV[2] generation.
 #: Returns 1 released, or a fenced refusal (see above).
 RELEASE_SCRIPT = (
-    _PRELUDE
-    + _READ
+    PRELUDE
+    + READ
     + _FENCE
     + """
 redis.call('HSET', key, 'state', 'released', 'owner', '', 'lease_until', int(now),

@@ -1,10 +1,10 @@
 """How the SQL lease store prepares an engine: hooks, timeouts, fork safety.
 
-Used by :mod:`celery_leases.stores.sql`. Each database's own preparation is
-in a module of its own: :mod:`~celery_leases.stores.sql_sqlite_engine` (WAL,
+Used by :mod:`celery_leases.stores.sql._store`. Each database's own preparation is
+in a module of its own: :mod:`~celery_leases.stores.sql._sqlite` (WAL,
 a busy timeout, ``BEGIN IMMEDIATE``),
-:mod:`~celery_leases.stores.sql_postgres_engine` and
-:mod:`~celery_leases.stores.sql_mysql_engine` (a bound on every wait, so a
+:mod:`~celery_leases.stores.sql._postgres` and
+:mod:`~celery_leases.stores.sql._mysql` (a bound on every wait, so a
 connection that went silently dead cannot hang a store call). Here: which
 one an engine gets, the table's creation, idle pings, and the engines of a
 store opened from a URL.
@@ -25,18 +25,18 @@ from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask, secrets_of
-from celery_leases.stores.sql_errors import FIX, permanent, reason
-from celery_leases.stores.sql_mysql_engine import prepare_mysql_engine
-from celery_leases.stores.sql_pool import Checkouts, pool_capacity
-from celery_leases.stores.sql_postgres_engine import prepare_postgres_engine
-from celery_leases.stores.sql_sqlite_engine import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
-from celery_leases.stores.sql_table import (
-    _MYSQL,
-    _POSTGRES,
-    _SQLITE,
+from celery_leases.stores.sql._errors import FIX, permanent, reason
+from celery_leases.stores.sql._mysql import prepare_mysql_engine
+from celery_leases.stores.sql._pool import Checkouts, pool_capacity
+from celery_leases.stores.sql._postgres import prepare_postgres_engine
+from celery_leases.stores.sql._sqlite import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
+from celery_leases.stores.sql._table import (
     DEFAULT_TABLE_NAME,
+    MYSQL,
     MYSQL_NAMES,
-    _Dialect,
+    POSTGRES,
+    SQLITE,
+    SqlDialect,
     lease_table,
     missing_parts,
 )
@@ -62,7 +62,9 @@ def masked_url(engine: Engine) -> str:
     return mask(engine.url.render_as_string(hide_password=False))
 
 
-def dialect_for(engine: Engine, timeout: float | None, *, server_limits: bool = False) -> _Dialect:
+def dialect_for(
+    engine: Engine, timeout: float | None, *, server_limits: bool = False
+) -> SqlDialect:
     """The store's dialect for ``engine``, with the engine prepared for it.
 
     Args:
@@ -71,7 +73,7 @@ def dialect_for(engine: Engine, timeout: float | None, *, server_limits: bool = 
             limits (None: leave such an engine as it is).
         server_limits: also set PostgreSQL's ``statement_timeout`` and
             ``lock_timeout`` (MySQL's lock wait and statement limits, see
-            :mod:`~celery_leases.stores.sql_mysql_engine`) on the engine's
+            :mod:`~celery_leases.stores.sql._mysql`) on the engine's
             connections (engines the store opened itself).
 
     Raises:
@@ -87,19 +89,19 @@ def dialect_for(engine: Engine, timeout: float | None, *, server_limits: bool = 
 _PREPARING = threading.Lock()
 
 
-def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> _Dialect:
+def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> SqlDialect:
     _ENGINES.add(engine)
     if engine.dialect.name == "postgresql":
         if timeout is not None:
             prepare_postgres_engine(engine, timeout, server_limits)
-        return _POSTGRES
+        return POSTGRES
     if engine.dialect.name in MYSQL_NAMES:
         if timeout is not None:
             prepare_mysql_engine(engine, timeout, server_limits)
-        return _MYSQL
+        return MYSQL
     if engine.dialect.name == "sqlite":
         prepare_sqlite_engine(engine, SQLITE_BUSY_TIMEOUT if timeout is None else timeout)
-        return _SQLITE
+        return SQLITE
     raise LeaseConfigurationError(
         "the SQL lease store supports PostgreSQL, SQLite and MySQL/MariaDB, "
         f"not {engine.dialect.name!r} ({masked_url(engine)})"
@@ -273,7 +275,7 @@ def open_engine(
     the slots its calls take (None when its pool has no limit).
 
     Its pool waits at most ``timeout`` for a connection unless
-    ``pool_timeout`` is given (:mod:`~celery_leases.stores.sql_pool`).
+    ``pool_timeout`` is given (:mod:`~celery_leases.stores.sql._pool`).
 
     Raises:
         LeaseConfigurationError: the URL's driver is not installed.

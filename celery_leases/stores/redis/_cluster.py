@@ -17,7 +17,7 @@ each such call follows the redirection to the node that now serves the slot.
 ``records()`` and ``purge()`` scan every primary.
 
 ``renew_many`` goes through a cluster client of its own, whose per-node pools
-tasks never hold (see :mod:`celery_leases.stores.redis_connections`).
+tasks never hold (see :mod:`celery_leases.stores.redis._connections`).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ from redis.exceptions import (
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.redact import mask
-from celery_leases.stores.redis import SCAN_BATCH, RedisStore
-from celery_leases.stores.redis_batches import RENEW_CHUNK, Call
-from celery_leases.stores.redis_connections import (
+from celery_leases.stores.redis._batches import RENEW_CHUNK, Call
+from celery_leases.stores.redis._connections import (
     RENEW_CONNECTIONS,
     check_renew_connections,
     client_options,
 )
-from celery_leases.stores.redis_replies import _escape_glob, _text, evalsha
+from celery_leases.stores.redis._replies import as_text, escape_glob, evalsha
+from celery_leases.stores.redis._store import SCAN_BATCH, RedisStore
 from celery_leases.stores.results import RenewRequest
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
@@ -162,7 +162,7 @@ class RedisClusterStore(RedisStore):
 
     def _scan_keys(self) -> Iterator[list[str]]:
         """Batches of record keys under the prefix, primary after primary."""
-        pattern = _escape_glob(self.prefix) + "{*}"
+        pattern = escape_glob(self.prefix) + "{*}"
         seen: set[str] = set()
         for node in self._cluster.get_primaries():  # type: ignore[no-untyped-call]
             client = node.redis_connection
@@ -170,7 +170,7 @@ class RedisClusterStore(RedisStore):
             while True:
                 next_cursor, keys = client.scan(cursor, match=pattern, count=SCAN_BATCH)
                 cursor = int(next_cursor)
-                batch = [k for k in (_text(key) for key in keys) if k not in seen]
+                batch = [k for k in (as_text(key) for key in keys) if k not in seen]
                 seen.update(batch)
                 if batch:
                     yield batch

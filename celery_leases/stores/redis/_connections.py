@@ -34,8 +34,8 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning
 from celery_leases.redact import mask
-from celery_leases.stores import redis_sentinel
-from celery_leases.stores.redis_replies import _text
+from celery_leases.stores.redis._replies import as_text
+from celery_leases.stores.redis._sentinel import SENTINEL_SCHEME, sentinel_client
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT",
@@ -102,8 +102,8 @@ def open_client(url: str, options: dict[str, Any]) -> tuple[redis.Redis, Sentine
     Raises:
         LeaseConfigurationError: the URL or an option is invalid.
     """
-    if url.split("://", 1)[0].lower() == redis_sentinel.SENTINEL_SCHEME:
-        client, sentinel = redis_sentinel.sentinel_client(url, options)
+    if url.split("://", 1)[0].lower() == SENTINEL_SCHEME:
+        client, sentinel = sentinel_client(url, options)
         return client, sentinel, mask(url)
     try:
         return redis.Redis.from_url(url, **options), None, mask(url)
@@ -265,5 +265,5 @@ def config_warnings(client: redis.Redis, url: str) -> bool:
 
 def _config_value(client: redis.Redis, name: str) -> str | None:
     reply = client.config_get(name)
-    values = {_text(k): _text(v) for k, v in reply.items()}
+    values = {as_text(k): as_text(v) for k, v in reply.items()}
     return values.get(name)

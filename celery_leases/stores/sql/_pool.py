@@ -13,8 +13,8 @@ may still wait in the pool, for its ``pool_timeout``, which the store sets
 to its ``timeout`` unless given.
 
 A worker that runs many tasks in one process (threads, gevent, eventlet)
-gets a pool as wide as its tasks: :mod:`celery_leases.pool_sizing`. This
-module imports no SQLAlchemy at its top, so that one can read its numbers.
+gets a pool as wide as its tasks: :mod:`celery_leases.pool_sizing`, which
+reads the numbers here.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from celery_leases.stores import redis_scripts as scripts
 from celery_leases.stores.base import (
     LeaseRecord,
     LeaseState,
@@ -42,6 +41,7 @@ from celery_leases.stores.base import (
     unreadable,
 )
 from celery_leases.stores.deadline import time_left
+from celery_leases.stores.redis import _scripts as scripts
 
 __all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result", "run_script"]
 
@@ -155,7 +155,7 @@ def _close_idle_connections(client: Any) -> None:
         return
 
 
-def _describe(client: redis.Redis) -> str:
+def describe_server(client: redis.Redis) -> str:
     """A password-free URL naming the server of ``client``, for messages."""
     pool = getattr(client, "connection_pool", None)
     if pool is None:  # a RedisCluster: no pool of its own, one per node
@@ -169,29 +169,29 @@ def _describe(client: redis.Redis) -> str:
     return f"{scheme}://{host}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _fields(flat: Sequence[Any]) -> dict[str, Any]:
+def hash_fields(flat: Sequence[Any]) -> dict[str, Any]:
     """A field -> raw value dict from a flat HGETALL reply of a script."""
-    return {_text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+    return {as_text(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
 _WHOLE = re.compile(r"[0-9]+")
 _INT_FIELDS = ("claimed_at", "renewed_at", "completed_at", "released_at")
 
 
-def _record(job_id: str, raw: Mapping[Any, Any], where: str) -> LeaseRecord:
+def record_of(job_id: str, raw: Mapping[Any, Any], where: str) -> LeaseRecord:
     """The record of ``job_id`` from its raw hash fields.
 
     Raises:
         LeaseRecordUnreadable: a field is missing or is not what the store writes.
     """
     try:
-        fields = {_text(k): v for k, v in raw.items()}
+        fields = {as_text(k): v for k, v in raw.items()}
         outcome = fields.pop("outcome", None)
-        text = {name: _text(value) for name, value in fields.items()}
+        text = {name: as_text(value) for name, value in fields.items()}
         for name in ("generation", "lease_until", "renew_count", "takeovers", *_INT_FIELDS):
             if name in text and not _WHOLE.fullmatch(text[name]):
                 raise ValueError(f"{name} is {text[name]!r}, not a whole number")
@@ -240,7 +240,7 @@ def fenced_reply(
     if code == scripts.MISSING:
         return None, refusal_for(None, job_id, owner, generation)
     if code == scripts.REFUSED:
-        record = _record(job_id, _fields(reply[1]), where)
+        record = record_of(job_id, hash_fields(reply[1]), where)
         return None, refusal_for(record, job_id, owner, generation)
     if code == scripts.UNREADABLE:
         raise unreadable(job_id, where, "found by the script")
@@ -256,7 +256,7 @@ def renew_result(reply: Any, job_id: str, owner: str, generation: int, where: st
     return Renewed(job_id, generation, int(done[0]), int(done[1]))
 
 
-def _permanent(exc: RedisError) -> bool:
+def permanent(exc: RedisError) -> bool:
     """Whether ``exc`` is a refusal that trying again cannot change.
 
     Unreachable, timed out, loading, busy, read-only (a failover), out of
@@ -298,6 +298,6 @@ def _permanent(exc: RedisError) -> bool:
     )
 
 
-def _escape_glob(text: str) -> str:
+def escape_glob(text: str) -> str:
     """``text`` with the glob characters of SCAN MATCH escaped."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)

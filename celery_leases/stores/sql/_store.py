@@ -1,28 +1,4 @@
-"""The SQL lease store: PostgreSQL or SQLite through SQLAlchemy Core.
-
-One table holds one row per job (see :func:`lease_table`). Every operation
-is one statement that reads the database's clock itself, so a worker's
-clock is never compared with a lease. What differs between the two
-databases (the clock, the upsert, how a JSON batch becomes rows, how
-transactions begin) lives in ``_Dialect`` (module ``sql_table``) and nowhere
-else; the statements are built in ``sql_statements``, the engine is
-prepared (hooks, timeouts) in ``sql_engine``, driver errors are judged in
-``sql_errors``, and reading records, purging them and the calls made in a
-caller's transaction are ``sql_records``'s.
-
-PostgreSQL runs each statement in driver-level autocommit: an operation is
-one statement, so it is its own transaction and costs one round trip. A
-claim that finds the record taken decides with one more statement, which
-locks the row (see :meth:`SqlStore._claim`). SQLite runs each write in
-``BEGIN IMMEDIATE``: the write lock is taken before anything is read, so
-many processes wait on the busy timeout instead of failing with
-``database is locked``.
-
-Every wait is bounded (``timeout``); a call whose connection died is tried
-once more on a fresh connection when trying again is safe: reads, renewals
-and completions (a completion whose first try was applied is judged by the
-record, see :meth:`LeaseStore.complete`), never a claim or a release.
-"""
+"""The SQL lease store: :class:`SqlStore` (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -43,7 +19,7 @@ from celery_leases.stores.base import (
     RenewResult,
 )
 from celery_leases.stores.deadline import store_waits, time_left
-from celery_leases.stores.sql_engine import (
+from celery_leases.stores.sql._engine import (
     check_table,
     check_timeout,
     create_table,
@@ -52,44 +28,20 @@ from celery_leases.stores.sql_engine import (
     open_engine,
     store_url,
 )
-from celery_leases.stores.sql_errors import DRIVER_ERRORS, lost_connection, store_error
-from celery_leases.stores.sql_mysql import MysqlOperations, _MysqlStatements
-from celery_leases.stores.sql_operations import CLAIM_ATTEMPTS, Operations
-from celery_leases.stores.sql_pool import Checkouts
-from celery_leases.stores.sql_records import SqlRecords
-from celery_leases.stores.sql_sqlite_engine import (
-    MIN_SQLITE_VERSION,
-    SQLITE_BUSY_TIMEOUT,
-    check_sqlite_version,
-)
-from celery_leases.stores.sql_statements import _Statements
-from celery_leases.stores.sql_table import (
-    _MYSQL,
-    DEFAULT_TABLE_NAME,
-    MYSQL_NOW_MS,
-    POSTGRES_NOW_MS,
-    SQLITE_NOW_MS,
-    lease_table,
-)
+from celery_leases.stores.sql._errors import DRIVER_ERRORS, lost_connection, store_error
+from celery_leases.stores.sql._mysql_operations import MysqlOperations, MysqlStatements
+from celery_leases.stores.sql._operations import Operations
+from celery_leases.stores.sql._pool import Checkouts
+from celery_leases.stores.sql._records import SqlRecords
+from celery_leases.stores.sql._sqlite import SQLITE_BUSY_TIMEOUT
+from celery_leases.stores.sql._statements import Statements
+from celery_leases.stores.sql._table import DEFAULT_TABLE_NAME, MYSQL, lease_table
 
-__all__ = [
-    "DEFAULT_TABLE_NAME",
-    "CLAIM_ATTEMPTS",
-    "DEFAULT_TIMEOUT",
-    "MIN_SQLITE_VERSION",
-    "MYSQL_NOW_MS",
-    "POSTGRES_NOW_MS",
-    "SQLITE_NOW_MS",
-    "SqlStore",
-    "create_table",
-    "lease_table",
-]
+__all__ = ["DEFAULT_TIMEOUT", "SqlStore"]
 
 #: seconds a PostgreSQL store waits at most for a connection, a reply or a
 #: lock (each), by default
 DEFAULT_TIMEOUT = 5.0
-
-_check_sqlite_version = check_sqlite_version
 
 T = TypeVar("T")
 
@@ -162,12 +114,12 @@ class SqlStore(SqlRecords, LeaseStore):
         self._autocommit_writes = self._dialect.write_options.get("isolation_level") == "AUTOCOMMIT"
         self._writer = engine.execution_options(**self._dialect.write_options)
         self._reader = engine.execution_options(**self._dialect.read_options)
-        self._statements = _Statements.build(self.table, self._dialect)
+        self._statements = Statements.build(self.table, self._dialect)
         self._operations = (
             MysqlOperations(
-                self._statements, self.url, _MysqlStatements.build(self.table, self._dialect)
+                self._statements, self.url, MysqlStatements.build(self.table, self._dialect)
             )
-            if self._dialect is _MYSQL
+            if self._dialect is MYSQL
             else Operations(self._statements, self.url)
         )
         with store_waits(self.timeout):
@@ -218,7 +170,7 @@ class SqlStore(SqlRecords, LeaseStore):
         return f"SqlStore({self.url!r}, table_name={self.table.name!r})"
 
     def _slot(self) -> contextlib.AbstractContextManager[None]:
-        """A slot of the store's pool (see :mod:`~celery_leases.stores.sql_pool`)."""
+        """A slot of the store's pool (see :mod:`~celery_leases.stores.sql._pool`)."""
         checkouts = self._checkouts
         return contextlib.nullcontext() if checkouts is None else checkouts.slot()
 

@@ -3,7 +3,7 @@ and ``renew_many``.
 
 ``renew_many`` sends one renew-many script call per chunk of
 :data:`RENEW_CHUNK` leases, all in one pipeline, on the store's renewal
-client (see :mod:`celery_leases.stores.redis_connections`). A call that
+client (see :mod:`celery_leases.stores.redis._connections`). A call that
 failed because a Cluster slot moved may have renewed the leases before the
 moved one: renewing them again moves their ``lease_until`` on once more,
 which the fence allows. So its whole chunk is renewed again lease by lease,
@@ -35,7 +35,7 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
-from celery_leases.stores.redis_replies import evalsha, renew_result
+from celery_leases.stores.redis._replies import evalsha, renew_result
 
 __all__ = ["RENEW_CHUNK", "Call", "RedisBatches"]
 

@@ -1,8 +1,8 @@
 """The SQL lease store's operations, each on one open connection.
 
-Used by :mod:`celery_leases.stores.sql`, which opens the connection (and its
+Used by :mod:`celery_leases.stores.sql._store`, which opens the connection (and its
 transaction), bounds its waits and wraps driver errors. Each function runs
-the statements of :mod:`celery_leases.stores.sql_statements` and turns their
+the statements of :mod:`celery_leases.stores.sql._statements` and turns their
 rows into results.
 """
 
@@ -34,8 +34,8 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
-from celery_leases.stores.sql_statements import _Statements
-from celery_leases.stores.sql_table import _record
+from celery_leases.stores.sql._statements import Statements
+from celery_leases.stores.sql._table import record_of
 
 #: claim attempts. Each decides under the record's lock, so a second is made
 #: only when the record was purged, or its lease ran out, in between
@@ -45,13 +45,13 @@ CLAIM_ATTEMPTS = 3
 class Operations:
     """The operations on one store's table (``where`` names it in messages)."""
 
-    def __init__(self, statements: _Statements, where: str) -> None:
+    def __init__(self, statements: Statements, where: str) -> None:
         self.statements = statements
         self.where = where
 
     def record(self, row: RowMapping) -> LeaseRecord:
         """The record in ``row``; LeaseRecordUnreadable if it cannot be read."""
-        return _record(row, self.where)
+        return record_of(row, self.where)
 
     def readable(self, row: RowMapping) -> LeaseRecord | LeaseRecordUnreadable:
         """The record in ``row``, or the error that says why it cannot be read."""

@@ -1,17 +1,4 @@
-"""The Redis lease store: one hash per job, one Lua script per operation.
-
-Each job's record is a Redis hash at ``{prefix}{{{job_id}}}`` (for example
-``leases:{job-123}``). The job id sits inside a hash tag, so Redis Cluster
-puts the whole record in one slot. The hash never gets a TTL: its
-generation must outlive anything that expires keys.
-
-Every operation is one Lua script, registered with redis-py's
-``register_script`` and run with EVALSHA through the client's connection
-pool (loaded again after a NOSCRIPT). Time inside a script comes from
-``TIME`` on the server, so every comparison uses the store's clock.
-``docs/redis.md`` lists the keys, the scripts and what Redis must be
-configured with to keep invariant I1.
-"""
+"""The Redis lease store: :class:`RedisStore` (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -28,7 +15,6 @@ from celery_leases.errors import (
     LeaseConfigurationError,
     LeaseRecordUnreadable,
 )
-from celery_leases.stores import redis_scripts as scripts
 from celery_leases.stores.base import (
     Acquired,
     AlreadyCompleted,
@@ -45,11 +31,10 @@ from celery_leases.stores.base import (
     RenewResult,
     unreadable,
 )
-from celery_leases.stores.redis_batches import RENEW_CHUNK, Call, RedisBatches
-from celery_leases.stores.redis_connections import (
-    DEFAULT_SOCKET_TIMEOUT,
+from celery_leases.stores.redis import _scripts as scripts
+from celery_leases.stores.redis._batches import Call, RedisBatches
+from celery_leases.stores.redis._connections import (
     RENEW_CONNECTIONS,
-    RedisConfigWarning,
     check_renew_connections,
     client_options,
     config_warnings,
@@ -57,30 +42,23 @@ from celery_leases.stores.redis_connections import (
     renewal_client,
     renews_outside_the_hub,
 )
-from celery_leases.stores.redis_errors import DriverErrors
-from celery_leases.stores.redis_operator_scripts import FORCE_RELEASE_SCRIPT, PURGE_ONE_SCRIPT
-from celery_leases.stores.redis_replies import (
-    _describe,
-    _escape_glob,
-    _fields,
-    _record,
-    _text,
+from celery_leases.stores.redis._errors import DriverErrors
+from celery_leases.stores.redis._operator_scripts import FORCE_RELEASE_SCRIPT, PURGE_ONE_SCRIPT
+from celery_leases.stores.redis._replies import (
+    as_text,
+    describe_server,
+    escape_glob,
     fenced_reply,
+    hash_fields,
     raw_command,
+    record_of,
     renew_result,
     run_script,
 )
 
-__all__ = [
-    "DEFAULT_SOCKET_TIMEOUT",
-    "RENEW_CHUNK",
-    "RENEW_CONNECTIONS",
-    "SCAN_BATCH",
-    "RedisConfigWarning",
-    "RedisStore",
-]
+__all__ = ["SCAN_BATCH", "RedisStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_leases.stores.redis")
 
 #: Keys fetched per SCAN step and per pipelined HGETALL / purge batch.
 SCAN_BATCH = 500
@@ -120,7 +98,7 @@ class RedisStore(RedisBatches, LeaseStore):
         if "\x00" in prefix:
             # renew_many ends each field with a NUL byte
             raise LeaseConfigurationError(f"prefix {prefix!r} contains a NUL character")
-        self.url = _describe(client)
+        self.url = describe_server(client)
         self.prefix = prefix
         self._client = client
         self._renew_client = (
@@ -162,7 +140,7 @@ class RedisStore(RedisBatches, LeaseStore):
             url: the server URL, as ``redis.Redis.from_url`` reads it, or
                 the sentinels' URLs joined by ``;`` (with the
                 ``master_name=`` option; see
-                :mod:`celery_leases.stores.redis_sentinel`).
+                :mod:`celery_leases.stores.redis._sentinel`).
             prefix: put in front of every key.
             check_config: see :class:`RedisStore`.
             renew_connections: the size of the renewal pool, which only
@@ -259,12 +237,12 @@ class RedisStore(RedisBatches, LeaseStore):
                 return Acquired(job_id, owner, generation, lease_until, now, takeovers)
             code = int(reply[0])
             if code == scripts.HELD_ELSEWHERE:
-                holder = _text(reply[1])
+                holder = as_text(reply[1])
                 generation, lease_until, now = (int(v) for v in reply[2:5])
                 return HeldElsewhere(job_id, holder, generation, (lease_until - now) / 1000)
             if code == scripts.ALREADY_COMPLETED:
                 outcome = reply[3] if len(reply) > 3 else None
-                return AlreadyCompleted(job_id, int(reply[1]), _text(reply[2]), outcome)
+                return AlreadyCompleted(job_id, int(reply[1]), as_text(reply[2]), outcome)
             if code == scripts.CLAIM_UNREADABLE:
                 raise unreadable(job_id, self.url, "found by the claim script")
             raise ResponseError(f"unexpected reply {reply!r} from the claim script")
@@ -276,7 +254,7 @@ class RedisStore(RedisBatches, LeaseStore):
 
     def _renew_many(self, requests: Sequence[RenewRequest]) -> list[RenewResult]:
         """One renew-many script call per chunk of leases, all in one pipeline
-        of the renewal client; see :mod:`celery_leases.stores.redis_batches`."""
+        of the renewal client; see :mod:`celery_leases.stores.redis._batches`."""
         with self._errors(f"renew_many of {len(requests)} leases", client=self._renew_client):
             return self._renew_batch(requests)
 
@@ -310,7 +288,7 @@ class RedisStore(RedisBatches, LeaseStore):
             if code == scripts.UNREADABLE:
                 raise unreadable(job_id, self.url, "found by the release script")
             if code in (scripts.DONE, scripts.REFUSED):
-                return _record(job_id, _fields(reply[1]), self.url)
+                return record_of(job_id, hash_fields(reply[1]), self.url)
             raise ResponseError(f"unexpected reply {reply!r} from the release script")
 
     def _get(self, job_id: str) -> LeaseRecord | None:
@@ -324,17 +302,17 @@ class RedisStore(RedisBatches, LeaseStore):
                 raise unreadable(job_id, self.url, "the key is not a hash") from exc
             if not fields:
                 return None
-            return _record(job_id, fields, self.url)
+            return record_of(job_id, fields, self.url)
 
     def _scan_keys(self) -> Iterator[list[str]]:
         """Batches of record keys under the prefix, each key once."""
-        pattern = _escape_glob(self.prefix) + "{*}"
+        pattern = escape_glob(self.prefix) + "{*}"
         seen: set[str] = set()
         cursor = 0
         while True:
             next_cursor, keys = self._client.scan(cursor, match=pattern, count=SCAN_BATCH)
             cursor = int(next_cursor)
-            batch = [k for k in (_text(key) for key in keys) if k not in seen]
+            batch = [k for k in (as_text(key) for key in keys) if k not in seen]
             seen.update(batch)
             if batch:
                 yield batch
@@ -355,7 +333,7 @@ class RedisStore(RedisBatches, LeaseStore):
                     if not isinstance(fields, dict) or not fields:
                         continue
                     try:
-                        record = _record(self._job_id(key), fields, self.url)
+                        record = record_of(self._job_id(key), fields, self.url)
                     except LeaseRecordUnreadable as error:
                         yield error
                         continue

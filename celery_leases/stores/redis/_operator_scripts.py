@@ -1,16 +1,16 @@
 """The Lua scripts of the Redis lease store's operator calls: a forced
 release and the purge of one finished record.
 
-Used by :mod:`celery_leases.stores.redis` (``force_release`` and ``purge``,
+Used by :mod:`celery_leases.stores.redis._store` (``force_release`` and ``purge``,
 which ``celery leases release`` and ``celery leases purge`` call). They read
 the record as the worker's scripts in
-:mod:`~celery_leases.stores.redis_scripts` do, and never change a record
+:mod:`~celery_leases.stores.redis._scripts` do, and never change a record
 they cannot read.
 """
 
 from __future__ import annotations
 
-from celery_leases.stores.redis_scripts import _PRELUDE, _READ
+from celery_leases.stores.redis._scripts import PRELUDE, READ
 
 __all__ = ["FORCE_RELEASE_SCRIPT", "PURGE_ONE_SCRIPT"]
 
@@ -21,8 +21,8 @@ __all__ = ["FORCE_RELEASE_SCRIPT", "PURGE_ONE_SCRIPT"]
 #:         {2, HGETALL pairs}  the job is completed: left as it is
 #:         {3}                 the record cannot be read
 FORCE_RELEASE_SCRIPT = (
-    _PRELUDE
-    + _READ
+    PRELUDE
+    + READ
     + """
 local key = KEYS[1]
 local r = load(key)
@@ -51,8 +51,8 @@ return {1, redis.call('HGETALL', key)}
 #: KEYS[1] record key; ARGV[1] retention in ms.
 #: Returns 1 deleted, 0 kept.
 PURGE_ONE_SCRIPT = (
-    _PRELUDE
-    + _READ
+    PRELUDE
+    + READ
     + """
 local r = load(KEYS[1])
 if not r then

@@ -3,7 +3,7 @@ purging them, and the calls a fenced write makes in its own transaction.
 
 :class:`SqlRecords` is a base class of :class:`~celery_leases.stores.sql.SqlStore`;
 it runs on the store's reading engine, its statements and its
-:class:`~celery_leases.stores.sql_operations.Operations`, and bounds and
+:class:`~celery_leases.stores.sql._operations.Operations`, and bounds and
 wraps every call with the store's ``_call``.
 """
 
@@ -24,8 +24,8 @@ from celery_leases.stores.base import (
     RenewResult,
     ttl_to_ms,
 )
-from celery_leases.stores.sql_operations import Operations
-from celery_leases.stores.sql_statements import _held_by, _Statements
+from celery_leases.stores.sql._operations import Operations
+from celery_leases.stores.sql._statements import Statements, held_by
 
 __all__ = ["RECORDS_PAGE_SIZE", "SqlRecords"]
 
@@ -40,7 +40,7 @@ class SqlRecords:
 
     table: sa.Table
     _reader: Engine
-    _statements: _Statements
+    _statements: Statements
     _operations: Operations
 
     if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class SqlRecords:
         It does not look at ``lease_until``: how time is judged is up to the
         caller.
         """
-        return sa.exists().where(_held_by(self.table, job_id, owner, generation))
+        return sa.exists().where(held_by(self.table, job_id, owner, generation))
 
     def lock_in(self, conn: Connection, job_id: str, owner: str, generation: int) -> bool:
         """Lock the record in ``conn``'s open transaction while ``owner``

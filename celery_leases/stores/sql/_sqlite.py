@@ -1,7 +1,7 @@
 """How the SQL lease store prepares a SQLite engine: WAL, a busy timeout and
 ``BEGIN IMMEDIATE`` on each connection.
 
-Used by :mod:`celery_leases.stores.sql_engine`.
+Used by :mod:`celery_leases.stores.sql._engine`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import LeaseConfigurationError
-from celery_leases.stores.sql_table import _READ_ONLY_OPTION
+from celery_leases.stores.sql._table import READ_ONLY_OPTION
 
 __all__ = [
     "MIN_SQLITE_VERSION",
@@ -54,7 +54,7 @@ def _sqlite_on_begin(conn: Connection) -> None:
     # if another process wrote in between, SQLite answers SQLITE_BUSY at once,
     # without waiting on the busy timeout. BEGIN IMMEDIATE takes the write
     # lock first (waiting on the timeout), so that cannot happen.
-    if conn.get_execution_options().get(_READ_ONLY_OPTION):
+    if conn.get_execution_options().get(READ_ONLY_OPTION):
         conn.exec_driver_sql("BEGIN")
     else:
         conn.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,6 +1,6 @@
 """Which driver errors of the SQL lease store are an outage, which a configuration.
 
-Used by :mod:`celery_leases.stores.sql`.
+Used by :mod:`celery_leases.stores.sql._store`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The lease table, the clock and what differs between PostgreSQL, SQLite and MySQL.
 
-Used by :mod:`celery_leases.stores.sql`; ``lease_table`` is public there.
+Used by :mod:`celery_leases.stores.sql._store`; ``lease_table`` is public there.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
-from celery_leases.stores.sql_indexes import indexes_in, lease_indexes
+from celery_leases.stores.sql._indexes import indexes_in, lease_indexes
 
 DEFAULT_TABLE_NAME = "celery_leases"
 
@@ -57,7 +57,7 @@ MYSQL_ROW_EXISTED = 2**64 - 1
 
 #: Option on connections that only read: SQLite then begins a deferred
 #: transaction instead of taking the write lock.
-_READ_ONLY_OPTION = "celery_leases_read_only"
+READ_ONLY_OPTION = "celery_leases_read_only"
 
 
 class _ExactText(sa.types.TypeDecorator[str]):
@@ -80,7 +80,7 @@ class _ExactText(sa.types.TypeDecorator[str]):
         return bytes(value).decode("utf-8")
 
 
-def _key_text() -> sa.types.TypeEngine[str]:
+def key_text() -> sa.types.TypeEngine[str]:
     """A job id, owner or send id: compared exactly in every database."""
     return sa.String(255).with_variant(_ExactText(), *MYSQL_NAMES)
 
@@ -108,8 +108,8 @@ def lease_table(
     return sa.Table(
         table_name,
         metadata,
-        sa.Column("job_id", _key_text(), primary_key=True),
-        sa.Column("owner", _key_text(), nullable=False, server_default=""),
+        sa.Column("job_id", key_text(), primary_key=True),
+        sa.Column("owner", key_text(), nullable=False, server_default=""),
         sa.Column("generation", sa.BigInteger, nullable=False),
         sa.Column("lease_until", sa.BigInteger, nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
@@ -119,7 +119,7 @@ def lease_table(
         sa.Column("completed_at", sa.BigInteger, nullable=True),
         sa.Column("renew_count", sa.Integer, nullable=False, server_default=sa.text("0")),
         sa.Column("takeovers", sa.Integer, nullable=False, server_default=sa.text("0")),
-        sa.Column("send_id", _key_text(), nullable=False, server_default=""),
+        sa.Column("send_id", key_text(), nullable=False, server_default=""),
         # MySQL's BLOB holds 64 KiB, less than MAX_OUTCOME_BYTES
         sa.Column(
             "outcome",
@@ -135,7 +135,7 @@ def lease_table(
             nullable=False,
             server_default="",
         ),
-        sa.Column("task_id", _key_text(), nullable=False, server_default=""),
+        sa.Column("task_id", key_text(), nullable=False, server_default=""),
         # purge and records(state=...) filter on state and completed_at
         *lease_indexes(table_name, dialect),
         mysql_engine="InnoDB",
@@ -168,7 +168,7 @@ def missing_parts(conn: Connection, table: sa.Table) -> list[str]:
 
 
 @dataclass(frozen=True)
-class _Dialect:
+class SqlDialect:
     """Everything dialect-specific, in one place."""
 
     name: str
@@ -311,7 +311,7 @@ def _sqlite_whole(column: ColumnElement[Any]) -> ColumnElement[bool]:
     return sa.func.typeof(column) == "integer"
 
 
-_POSTGRES = _Dialect(
+POSTGRES = SqlDialect(
     name="postgresql",
     now_sql=POSTGRES_NOW_MS,
     insert=pg.insert,
@@ -322,13 +322,13 @@ _POSTGRES = _Dialect(
     greatest=_postgres_greatest,
 )
 
-_SQLITE = _Dialect(
+SQLITE = SqlDialect(
     name="sqlite",
     now_sql=SQLITE_NOW_MS,
     insert=sqlite_dialect.insert,
     batch_rows=_sqlite_batch_rows,
     write_options={},
-    read_options={_READ_ONLY_OPTION: True},
+    read_options={READ_ONLY_OPTION: True},
     whole=_sqlite_whole,
     greatest=_sqlite_greatest,
 )
@@ -336,7 +336,7 @@ _SQLITE = _Dialect(
 
 #: MySQL and MariaDB (InnoDB): each write runs in a transaction that locks
 #: the record first (module sql_mysql), as there is no UPDATE ... RETURNING
-_MYSQL = _Dialect(
+MYSQL = SqlDialect(
     name="mysql",
     now_sql=MYSQL_NOW_MS,
     insert=mysql.insert,
@@ -356,7 +356,7 @@ def _check_table_name(table_name: object) -> None:
         )
 
 
-def _record(row: RowMapping, where: str) -> LeaseRecord:
+def record_of(row: RowMapping, where: str) -> LeaseRecord:
     """The record in ``row``.
 
     Raises:

@@ -1,6 +1,6 @@
 """How the SQL lease store prepares a PostgreSQL engine (psycopg).
 
-Used by :mod:`celery_leases.stores.sql_engine`. PostgreSQL gets a bound on
+Used by :mod:`celery_leases.stores.sql._engine`. PostgreSQL gets a bound on
 every wait, so that a connection that went silently dead (a firewall or NAT
 that forgot it, a failover behind a virtual IP) cannot hang a store call:
 

@@ -1,6 +1,6 @@
 """The statements of the SQL lease store, each built once per store.
 
-Used by :mod:`celery_leases.stores.sql`; ``docs/sql.md`` shows their SQL.
+Used by :mod:`celery_leases.stores.sql._store`; ``docs/sql.md`` shows their SQL.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.stores.base import TASK_ID_SEND_PREFIX, LeaseState
-from celery_leases.stores.sql_table import _Dialect
+from celery_leases.stores.sql._table import SqlDialect
 
 # --- the statements, built once per store ------------------------------------
 #
@@ -50,12 +50,12 @@ _COMPLETED = _const(LeaseState.COMPLETED.value)
 
 def _held_by_parameters(table: sa.Table) -> ColumnElement[bool]:
     """Held by ``:p_owner`` with ``:p_generation``, for the record of ``:p_job_id``."""
-    return _held_by(
+    return held_by(
         table, sa.bindparam("p_job_id"), sa.bindparam("p_owner"), sa.bindparam("p_generation")
     )
 
 
-def _held_by(table: sa.Table, job_id: Any, owner: Any, generation: Any) -> ColumnElement[bool]:
+def held_by(table: sa.Table, job_id: Any, owner: Any, generation: Any) -> ColumnElement[bool]:
     """The fence: ``owner`` holds ``job_id`` with ``generation`` (values or parameters)."""
     t = table.c
     return sa.and_(
@@ -66,12 +66,12 @@ def _held_by(table: sa.Table, job_id: Any, owner: Any, generation: Any) -> Colum
     )
 
 
-def _now_row(dialect: _Dialect) -> FromClause:
+def _now_row(dialect: SqlDialect) -> FromClause:
     """A one-row subquery ``n(now)``, so a statement reads the clock once."""
     return sa.select(dialect.now_ms().label("now")).subquery("n")
 
 
-def _now_once(dialect: _Dialect) -> ColumnElement[int]:
+def _now_once(dialect: SqlDialect) -> ColumnElement[int]:
     """The clock as ``(SELECT now FROM n)`` over a CTE, for UPDATEs.
 
     PostgreSQL evaluates a CTE with a volatile function once, so every use
@@ -104,7 +104,7 @@ def _takeable(record: Any, now: Any, send_id: Any) -> ColumnElement[bool]:
 
 
 def _takeover_values(
-    t: sa.Table, dialect: _Dialect, now: Any, new: dict[str, Any]
+    t: sa.Table, dialect: SqlDialect, now: Any, new: dict[str, Any]
 ) -> dict[str, Any]:
     """The SET of a takeover at ``now``; ``new`` holds the claim's owner,
     lease_until, task_name, send_id and task_id."""
@@ -128,7 +128,7 @@ def _takeover_values(
     }
 
 
-def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
+def _claim_statement(table: sa.Table, dialect: SqlDialect) -> Any:
     """INSERT ... SELECT ... ON CONFLICT (job_id) DO UPDATE ... RETURNING.
 
     A new row gets generation = now. An existing row is taken over only if
@@ -194,7 +194,7 @@ def _claim_statement(table: sa.Table, dialect: _Dialect) -> Any:
     ).returning(t.c.generation, t.c.lease_until, t.c.claimed_at, t.c.takeovers)
 
 
-def _decide_statement(table: sa.Table, dialect: _Dialect) -> Any:
+def _decide_statement(table: sa.Table, dialect: SqlDialect) -> Any:
     """After a claim matched nothing: lock the record, then take it over or
     report it, in one statement (PostgreSQL).
 
@@ -247,7 +247,7 @@ def _decide_statement(table: sa.Table, dialect: _Dialect) -> Any:
     return sa.select(old, upd).select_from(old.outerjoin(upd, sa.true()))
 
 
-def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
+def _renew_many_statement(table: sa.Table, dialect: SqlDialect) -> Any:
     """One UPDATE ... FROM (the ``:p_batch`` JSON as rows) ... RETURNING."""
     t = table
     now = _now_once(dialect)
@@ -272,7 +272,7 @@ def _renew_many_statement(table: sa.Table, dialect: _Dialect) -> Any:
     )
 
 
-def _lock_statement(table: sa.Table, dialect: _Dialect) -> Any:
+def _lock_statement(table: sa.Table, dialect: SqlDialect) -> Any:
     """Lock the record of ``:p_job_id`` while ``:p_owner`` holds it with
     ``:p_generation`` and its lease has not run out, as the first statement
     of a caller's transaction; it matches one row or none.
@@ -288,7 +288,7 @@ def _lock_statement(table: sa.Table, dialect: _Dialect) -> Any:
     return sa.select(t.c.generation).where(current).with_for_update()
 
 
-def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any]:
+def _write_statements(t: sa.Table, dialect: SqlDialect, now: Any) -> dict[str, Any]:
     """The conditional UPDATEs, without RETURNING (which MySQL lacks); the
     claim and the batch renewal are MySQL's own (module sql_mysql)."""
     return {
@@ -344,7 +344,7 @@ def _write_statements(t: sa.Table, dialect: _Dialect, now: Any) -> dict[str, Any
 
 
 @dataclass(frozen=True)
-class _Statements:
+class Statements:
     """Every statement of a store's hot path, built once (see above).
 
     In MySQL ``claim``, ``decide`` and ``renew_many`` are None, and the
@@ -373,7 +373,7 @@ class _Statements:
     purge: Any
 
     @classmethod
-    def build(cls, table: sa.Table, dialect: _Dialect) -> _Statements:
+    def build(cls, table: sa.Table, dialect: SqlDialect) -> Statements:
         """Build every statement for ``table`` in ``dialect``."""
         t = table
         n = _now_row(dialect)

@@ -18,7 +18,7 @@ import redis
 from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
-from celery_leases.stores.redis_replies import _permanent
+from celery_leases.stores.redis._replies import permanent
 
 __all__ = ["DriverErrors", "pool_exhausted", "raise_wrapped"]
 
@@ -56,7 +56,7 @@ def raise_wrapped(
             job_id=job_id,
         ) from exc
     if isinstance(exc, RedisError):
-        if _permanent(exc):
+        if permanent(exc):
             raise LeaseConfigurationError(
                 f"the Redis lease store at {url} refused {operation}{about} "
                 f"({type(exc).__name__}: {exc}). This is not an outage and trying again "

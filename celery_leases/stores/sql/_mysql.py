@@ -1,6 +1,6 @@
 """How the SQL lease store prepares a MySQL or MariaDB engine (PyMySQL).
 
-Used by :mod:`celery_leases.stores.sql_engine`. Every wait is bounded, as
+Used by :mod:`celery_leases.stores.sql._engine`. Every wait is bounded, as
 for PostgreSQL:
 
 - ``connect_timeout`` for a new connection;
