@@ -116,15 +116,10 @@ def _store_checks(url: str, options: dict[str, Any]) -> list[Check]:
         except StoreUnavailable as exc:
             return [Check("store", "error", str(exc), exit_code=4)]
         except LeaseConfigurationError as exc:
-            # reached, but refused: rights, or a SQL table not made yet
-            return [
-                Check(
-                    "store",
-                    "error",
-                    f"{exc} (a new SQL database: celery leases init-db)",
-                    exit_code=5,
-                )
-            ]
+            # reached, but refused: rights, or a SQL table not made yet (a
+            # table init-db makes; an integration's store says how it makes its own)
+            hint = " (a new SQL database: celery leases init-db)" if is_sql_url(url) else ""
+            return [Check("store", "error", f"{exc}{hint}", exit_code=5)]
         after = time.time()
     finally:
         store.close()

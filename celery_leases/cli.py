@@ -43,6 +43,7 @@ from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import settings_for
 from celery_leases.stores import LeaseStore, is_sql_url, open_store, scheme_is_known
 from celery_leases.stores.base import LeaseState, ms_to_datetime
+from celery_leases.stores.checks import check_retention
 
 __all__ = [
     "EXIT_CONFIGURATION",
@@ -133,6 +134,29 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
+#: ``--json``, which every command takes
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+class _JobArgument(click.Argument):
+    """A ``JOB_ID`` argument, listed under "Arguments" in ``--help``.
+
+    ``CeleryCommand`` lists every parameter's help row under the
+    parameter's ``help_group`` (its public way to group them), or under
+    "Options" when it has none.
+    """
+
+    help_group = "Arguments"
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str]:
+        return self.human_readable_name, "The job id: the task id, or the task's lease_key."
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """An option's duration in seconds (``callback=``): click's error names the option."""
+    return parse_duration(value)
+
+
 # --- the commands --------------------------------------------------------------
 
 
@@ -154,7 +178,7 @@ def leases(ctx: click.Context) -> None:
 @click.option("--reverse", is_flag=True, help="Sort in descending order.")
 @click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True)
 @click.option("--offset", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_json_option
 @click.pass_context
 def ls_command(
     ctx: click.Context,
@@ -218,8 +242,8 @@ def ls_command(
 
 
 @leases.command(name="show", cls=CeleryCommand)
-@click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.argument("job_id", cls=_JobArgument)
+@_json_option
 @click.pass_context
 def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """Show every field of one job's record."""
@@ -238,11 +262,11 @@ def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
 
 
 @leases.command(name="release", cls=CeleryCommand)
-@click.argument("job_id")
+@click.argument("job_id", cls=_JobArgument)
 @click.option("--force", is_flag=True, help="Required: the job will be claimed and run again.")
 @click.option("--reason", required=True, help="Why, kept in the record.")
 @click.option("--by", "released_by", help="Who releases it (default: user@host).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_json_option
 @click.pass_context
 def release_command(
     ctx: click.Context,
@@ -295,14 +319,17 @@ def release_command(
 @click.option(
     "--older-than",
     "older_than",
+    callback=_duration,
     required=True,
     help="Age of finished records to delete: seconds, or with a unit (90m, 12h, 7d).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_json_option
 @click.pass_context
-def purge_command(ctx: click.Context, older_than: str, as_json: bool) -> None:
+def purge_command(ctx: click.Context, older_than: float, as_json: bool) -> None:
     """Delete finished records older than --older-than (never held ones)."""
-    seconds = parse_duration(older_than)
+    seconds = older_than
+    with _errors(ctx, ""):
+        check_retention(seconds, "--older-than")  # before the store is opened
     with _store(ctx) as store:
         deleted = purge_records(store, seconds)
     if as_json:
@@ -312,23 +339,28 @@ def purge_command(ctx: click.Context, older_than: str, as_json: bool) -> None:
 
 
 @leases.command(name="init-db", cls=CeleryCommand)
+@_json_option
 @click.pass_context
-def init_db_command(ctx: click.Context) -> None:
+def init_db_command(ctx: click.Context, as_json: bool) -> None:
     """Create the SQL lease table and its index (safe to run again); a table
     of that name that is not this release's is refused, and left as it is."""
     with _store(ctx, create_table=True) as store:
         engine = getattr(store, "engine", None)
-        if engine is None:
-            click.echo(f"nothing to do: the store {store.url} needs no schema")
-            return
-        from celery_leases.stores.sql import create_table
+        table_name = None
+        if engine is not None:
+            from celery_leases.stores.sql import create_table
 
-        made = create_table(engine, store.table.name)  # type: ignore[attr-defined]
-        click.echo(f"lease table {made.name!r} is ready in {store.url}")
+            table_name = create_table(engine, store.table.name).name  # type: ignore[attr-defined]
+    if as_json:
+        _emit_json({"store": store.url, "table": table_name})
+    elif table_name is None:
+        click.echo(f"nothing to do: the store {store.url} needs no schema")
+    else:
+        click.echo(f"lease table {table_name!r} is ready in {store.url}")
 
 
 @leases.command(name="check", cls=CeleryCommand)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_json_option
 @click.pass_context
 def check_command(ctx: click.Context, as_json: bool) -> None:
     """Check the store and the lease setup; exit 1 on any warning."""

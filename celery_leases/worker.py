@@ -185,7 +185,7 @@ def banner_lines(settings: LeaseSettings, *, metrics_url: str | None = None) -> 
     lines = [
         "[leases]",
         f".> store:       {mask(settings.store_url, secrets=secrets)}",
-        f".> ttl:         {timing.ttl:g} s, renewed every {timing.renew_interval:g} s "
+        f".> ttl:         {timing.ttl:g} s, renewed every {round(timing.renew_interval, 2):g} s "
         "(a task's lease_ttl overrides it)",
     ]
     if metrics_url is not None:

@@ -149,8 +149,9 @@ def ttl_to_ms(ttl: object) -> int:
     return max(1, round(ttl * 1000))
 
 
-def check_retention(older_than: object) -> int:
-    """``older_than`` seconds in milliseconds, if at least :data:`MIN_RETENTION`."""
+def check_retention(older_than: object, name: str = "older_than") -> int:
+    """``older_than`` seconds in milliseconds, if at least :data:`MIN_RETENTION`;
+    the error names it ``name`` (the option or argument as the caller took it)."""
     if (
         isinstance(older_than, bool)
         or not isinstance(older_than, (int, float))
@@ -158,7 +159,7 @@ def check_retention(older_than: object) -> int:
         or older_than < MIN_RETENTION
     ):
         raise LeaseConfigurationError(
-            f"older_than must be at least {MIN_RETENTION:g} seconds, got "
+            f"{name} must be at least {MIN_RETENTION:g} seconds, got "
             f"{older_than!r}: a late duplicate must still find the job completed"
         )
     # beyond a century nothing is old enough; keep the number a 64-bit integer

@@ -180,7 +180,45 @@ def test_purge_below_the_retention_minimum_is_a_configuration_error(
 def test_purge_refuses_a_malformed_duration() -> None:
     result = Cli("memory://", {})("purge", "--older-than", "soon")
     assert result.returncode == 2
-    assert "'soon' is not a duration" in result.stderr
+    assert "Invalid value for '--older-than': 'soon' is not a duration" in result.stderr
+
+
+def test_purge_below_the_minimum_names_the_option_as_typed() -> None:
+    result = Cli("memory://", {})("purge", "--older-than", "30")
+    assert result.returncode == EXIT_CONFIGURATION
+    assert result.stderr.startswith("Error: --older-than must be at least 60 seconds, got 30")
+    assert "older_than" not in result.stderr
+
+
+def test_every_command_takes_json_and_a_job_id_is_an_argument() -> None:
+    cli = Cli("memory://", {})
+    commands = ["ls", "show", "release", "purge", "init-db", "check"]
+    for command in commands:
+        helped = cli(command, "--help")
+        assert helped.returncode == 0, (command, helped.stderr)
+        assert "--json  " in helped.stdout.split("Options:")[1], command
+    assert json.loads(cli("init-db", "--json").stdout) == {"store": "memory://", "table": None}
+    for command in ("show", "release"):
+        helped = cli(command, "--help").stdout
+        arguments, options = helped.split("Arguments:")[1].split("Options:")
+        assert "JOB_ID  The job id" in arguments, helped
+        assert "JOB_ID" not in options, helped
+
+
+def test_check_of_a_redis_database_number_the_server_lacks_says_so(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"
+    result = Cli(url, {})("check", "--json")
+    assert result.returncode == EXIT_CONFIGURATION, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    (store,) = [c for c in report["checks"] if c["check"] == "store"]
+    assert store["status"] == "error"
+    assert (
+        "the database number in the store URL is out of range for the server" in (store["detail"])
+    )
+    for misleading in ("init-db", "password"):
+        assert misleading not in store["detail"], store["detail"]
 
 
 def test_release_needs_force(target: tuple[Cli, LeaseStore]) -> None:
@@ -252,6 +290,7 @@ def test_init_db_creates_the_sql_table(
     result = cli("init-db")
     assert result.returncode == 0, result.stderr
     assert f"lease table 'init_{unique}' is ready" in result.stdout
+    assert cli.json("init-db")["table"] == f"init_{unique}"
     assert cli("init-db").returncode == 0  # again: nothing to do
     assert cli.json("ls")["total"] == 0
     assert cli("ls").stdout == "no lease records\n"

@@ -26,6 +26,8 @@ __all__ = ["DriverErrors", "pool_exhausted", "raise_wrapped"]
 #: in use: a BlockingConnectionPool when none came free in time, and a
 #: ConnectionPool before redis-py raised MaxConnectionsError for it (5.0)
 _NO_CONNECTION = ("No connection available.", "Too many connections")
+#: the server's reply to SELECT of a database number it does not have
+NO_SUCH_DATABASE = "DB index is out of range"
 
 
 def pool_exhausted(exc: BaseException) -> bool:
@@ -56,6 +58,13 @@ def raise_wrapped(
             job_id=job_id,
         ) from exc
     if isinstance(exc, RedisError):
+        if str(exc) == NO_SUCH_DATABASE:
+            raise LeaseConfigurationError(
+                f"the Redis server of the lease store at {url} has no such database: the "
+                "database number in the store URL is out of range for the server (its "
+                "'databases' setting, 16 unless changed); use a number below it",
+                job_id=job_id,
+            ) from exc
         if permanent(exc):
             raise LeaseConfigurationError(
                 f"the Redis lease store at {url} refused {operation}{about} "
