@@ -16,6 +16,7 @@ __all__ = [
     "LeaseHeld",
     "LeaseLost",
     "LeaseRecordUnreadable",
+    "LeaseSkipped",
     "StaleFencingToken",
     "StoreUnavailable",
 ]
@@ -70,6 +71,22 @@ class LeaseHeld(LeaseError):
         super().__init__(message, job_id=job_id, owner=holder, generation=generation)
         self.holder = holder
         self.remaining = remaining
+
+
+class LeaseSkipped(LeaseHeld):
+    """A call was not run because another send held its job (``lease_on_busy="skip"``).
+
+    The call's message is acknowledged and not published again; this error
+    is its result (state ``FAILURE``), so ``result.get()`` raises it at once.
+
+    Attributes:
+        holder_task_id: the task id of the run that holds the job ("" when
+            the store does not know it).
+    """
+
+    def __init__(self, message: str, *, holder_task_id: str = "", **held: Any) -> None:
+        super().__init__(message, **held)
+        self.holder_task_id = holder_task_id
 
 
 class LeaseLost(LeaseError):

@@ -140,6 +140,9 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
             entry: dict[str, Any] = {"outcome": subject, "worker": worker}
             if subject == "deferred":
                 entry["reason"] = fields.get("reason")
+            elif fields.get("reason") == "busy":
+                holder = fields.get("holder_task_id") or "another send"
+                entry["reason"] = f"busy: held by {holder}, generation {generation}"
             else:
                 entry["reason"] = f"already completed by generation {generation}"
             _stamp(entry, fields)

@@ -103,6 +103,11 @@ def _get() -> dict[str, Any]:
                 "Deliveries that did not run and were published again, by reason.",
                 [*task, "reason"],
             ),
+            skipped=p.Counter(
+                "celery_leases_skipped",
+                "Deliveries that did not run and were not published again, by reason.",
+                [*task, "reason"],
+            ),
             takeovers=p.Counter(
                 "celery_leases_takeovers",
                 "Claims that took over a lease whose holder let it run out.",
@@ -214,6 +219,13 @@ def _on_deferred(sender: Any = None, lease: Any = None, reason: Any = None, **_:
         observe_store_error("claim")
 
 
+def _on_skipped(sender: Any = None, reason: Any = None, **_: Any) -> None:
+    task = _task(sender, None)
+    _child("skipped", task, str(reason or "unknown")).inc()
+    if reason == "busy":
+        _child("claims", task, "held").inc()
+
+
 _RECEIVERS = (
     (signals.lease_claimed, _on_claimed),
     (signals.lease_renewed, _on_renewed),
@@ -222,6 +234,7 @@ _RECEIVERS = (
     (signals.lease_completed, _on_finished),
     (signals.lease_released, _on_finished),
     (signals.duplicate_deferred, _on_deferred),
+    (signals.lease_skipped, _on_skipped),
 )
 
 

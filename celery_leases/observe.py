@@ -202,10 +202,17 @@ def _deferred(
 
 
 def _skipped(
-    sender: Any, job_id: str, generation: int | None = None, task_id: str | None = None, **_: Any
+    sender: Any,
+    job_id: str,
+    generation: int | None = None,
+    task_id: str | None = None,
+    reason: str | None = None,
+    holder_task_id: str | None = None,
+    **_: Any,
 ) -> None:
     _record(sender, "skipped", events.LEASE_SKIPPED, _LEVELS["lease_skipped"], None, job_id,
-            task_id=task_id, generation=generation)  # fmt: skip
+            task_id=task_id, generation=generation, reason=reason,
+            holder_task_id=holder_task_id or None)  # fmt: skip
 
 
 _RECEIVERS: dict[str, Callable[..., None]] = {
@@ -216,7 +223,7 @@ _RECEIVERS: dict[str, Callable[..., None]] = {
     "lease_lost": _lost,
     "lease_fenced_out": _fenced_out,
     "duplicate_deferred": _deferred,
-    "lease_skipped": _skipped,  # sent by newer task runners only
+    "lease_skipped": _skipped,
 }
 
 

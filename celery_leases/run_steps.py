@@ -20,6 +20,7 @@ from celery_leases.backoff import backoff_delay, backoff_delays
 from celery_leases.errors import (
     LeaseError,
     LeaseHeld,
+    LeaseSkipped,
     ResultUnavailable,
     StoreUnavailable,
     TakeoverLimitExceeded,
@@ -27,12 +28,13 @@ from celery_leases.errors import (
 from celery_leases.lease import Lease
 from celery_leases.outcome import decode, encode_value
 from celery_leases.publish import capped_countdown, deferrals_of, publish_again
-from celery_leases.runtime import TaskOptions, settings_for
+from celery_leases.runtime import TaskOptions, settings_for, store_for
 from celery_leases.stores.base import (
     AlreadyCompleted,
     Completed,
     CompleteResult,
     HeldElsewhere,
+    LeaseState,
     Refusal,
     Released,
     ReleaseResult,
@@ -43,9 +45,9 @@ from celery_leases.waiting import held_countdown
 __all__ = [
     "UNKNOWN_COMPLETION",
     "answer_completed",
+    "answer_held",
     "complete",
     "complete_run",
-    "defer_held",
     "defer_unavailable",
     "outcome_options",
     "release",
@@ -209,7 +211,7 @@ def answer_completed(task: Any, request: Any, claim: AlreadyCompleted) -> Any:
     """
     signals.lease_skipped.send(
         sender=task, lease=None, job_id=claim.job_id, generation=claim.generation,
-        task_id=request.id,
+        task_id=request.id, reason="completed",
     )  # fmt: skip
     ignored = bool(request.ignore_result or task.ignore_result)
     if not ignored and _stored_state(task, request.id) in READY_STATES:
@@ -254,15 +256,33 @@ def _stored_state(task: Any, task_id: str | None) -> str | None:
     return str(meta.get("status")) if meta else None
 
 
-def defer_held(
+def answer_held(
     task: Any,
     request: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     claim: HeldElsewhere,
-    defer_max: float,
+    send_id: str | None,
+    options: TaskOptions,
 ) -> NoReturn:
-    """Publish the message again to look at the job in a second, or when its lease runs out."""
+    """The claim found the job held: skip the call, or publish it again to
+    look at the job in a second, or when its lease runs out.
+
+    Under ``lease_on_busy="skip"`` a call is skipped when another send holds
+    the job (:func:`_holder_of_another_send`); a delivery of the holder's own
+    send (a redelivery, or the library's copy of it) waits as under
+    ``"wait"``: if the holder dies, that copy takes the job over.
+
+    Raises:
+        LeaseSkipped: skipped; it is the call's result, and the message is
+            acknowledged, not published again.
+        LeaseHeld: an eager or direct call, which cannot wait.
+        Ignore: the message was published again.
+    """
+    if options.on_busy == "skip":
+        holder_task_id = _holder_of_another_send(task, claim, send_id)
+        if holder_task_id is not None:
+            _skip(task, request, claim, holder_task_id)
     if request.is_eager or request.called_directly:
         raise LeaseHeld(
             f"job {claim.job_id!r} is held by {claim.holder} (generation "
@@ -273,12 +293,52 @@ def defer_held(
             generation=claim.generation,
             remaining=claim.remaining,
         )
-    countdown = held_countdown(claim.remaining, defer_max)
+    countdown = held_countdown(claim.remaining, options.defer_max)
     publish_again(
         task, request, args, kwargs, job_id=claim.job_id, reason="held", countdown=countdown,
-        retry_for=defer_max, holder=claim.holder,
+        retry_for=options.defer_max, holder=claim.holder,
     )  # fmt: skip
     raise Ignore()
+
+
+def _holder_of_another_send(task: Any, claim: HeldElsewhere, send_id: str | None) -> str | None:
+    """The task id of the holder ("" if unknown) when it came from another
+    send than ``send_id``; None when it is the same send, or not known.
+
+    The claim does not say which send holds the job, so the record is read
+    (a refused claim only). A record that changed since the claim, or a
+    store that cannot be read now, is not known: the call waits and looks
+    again.
+    """
+    try:
+        record = store_for(task.app).get(claim.job_id)
+    except StoreUnavailable:
+        return None
+    if (
+        record is None
+        or record.state is not LeaseState.HELD
+        or record.generation != claim.generation
+        or record.is_same_run(send_id)
+    ):
+        return None
+    return record.task_id
+
+
+def _skip(task: Any, request: Any, claim: HeldElsewhere, holder_task_id: str) -> NoReturn:
+    signals.lease_skipped.send(
+        sender=task, lease=None, job_id=claim.job_id, generation=claim.generation,
+        task_id=request.id, reason="busy", holder=claim.holder, holder_task_id=holder_task_id,
+    )  # fmt: skip
+    raise LeaseSkipped(
+        f"task {task.name}[{request.id}] was skipped: job {claim.job_id!r} is held by "
+        f"task {holder_task_id or '(unknown id)'} (generation {claim.generation}, "
+        f"{claim.remaining:.1f} s left on its lease), and lease_on_busy is 'skip'",
+        job_id=claim.job_id,
+        holder=claim.holder,
+        generation=claim.generation,
+        remaining=claim.remaining,
+        holder_task_id=holder_task_id,
+    )
 
 
 def defer_unavailable(

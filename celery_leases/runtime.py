@@ -32,7 +32,7 @@ from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease
 from celery_leases.notify import process_notifier
 from celery_leases.per_process import ProcessLocalByKey
-from celery_leases.settings import LeaseSettings, LeaseTiming, OnLost
+from celery_leases.settings import LeaseSettings, LeaseTiming, OnBusy, OnLost
 from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import Released
 
@@ -67,6 +67,8 @@ class TaskOptions:
     #: and ``leases_result_max_bytes``
     result_serializer: str
     result_max_bytes: int
+    #: a call whose job another send holds: wait for it, or skip
+    on_busy: OnBusy = "wait"
 
 
 @dataclass

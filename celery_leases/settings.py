@@ -11,6 +11,8 @@ key                           default         meaning
 ``leases_renew_interval``     ``ttl / 3``     seconds between heartbeat renewals (>= 0.01)
 ``leases_drift_margin``       see below       seconds cut off the local deadline
 ``leases_on_lost``            ``"flag"``      ``"flag"``, ``"raise"`` or ``"stop"``
+``leases_on_busy``            ``"wait"``      a call whose key another send holds:
+                                              ``"wait"`` (run after it) or ``"skip"``
 ``leases_max_takeovers``      ``5``           takeovers before a job is poison
 ``leases_defer_backoff``      ``1.0``         first delay when the store is down (<= 86400)
 ``leases_defer_max``          ``60.0``        cap on any deferral delay (<= 86400)
@@ -50,17 +52,24 @@ __all__ = [
     "MAX_TTL",
     "MIN_RENEW_INTERVAL",
     "MIN_TTL",
+    "ON_BUSY_MODES",
     "ON_LOST_MODES",
     "LeaseSettings",
     "LeaseTiming",
+    "OnBusy",
     "OnLost",
     "check_defer_max",
+    "check_on_busy",
     "check_republish_options",
     "default_drift_margin",
 ]
 
 OnLost = Literal["flag", "raise", "stop"]
 ON_LOST_MODES: tuple[OnLost, ...] = ("flag", "raise", "stop")
+#: what a call does when another send holds its job: wait and run after the
+#: holder, or be answered at once with ``LeaseSkipped`` and not run
+OnBusy = Literal["wait", "skip"]
+ON_BUSY_MODES: tuple[OnBusy, ...] = ("wait", "skip")
 
 #: the shortest lease ttl, in seconds: a shorter lease runs out within a few
 #: store round trips, and its default renew interval (ttl/3) would keep the
@@ -169,6 +178,7 @@ class LeaseSettings:
     renew_interval: float | None = None
     drift_margin: float | None = None
     on_lost: OnLost = "flag"
+    on_busy: OnBusy = "wait"
     max_takeovers: int | None = 5
     defer_backoff: float = 1.0
     defer_max: float = 60.0
@@ -184,6 +194,7 @@ class LeaseSettings:
             )
         _check_store_options(self.store_options)
         check_on_lost(self.on_lost, "leases_on_lost")
+        check_on_busy(self.on_busy, "leases_on_busy")
         check_max_takeovers(self.max_takeovers, "leases_max_takeovers")
         backoff = _seconds("leases_defer_backoff", self.defer_backoff, maximum=MAX_DEFER)
         if check_defer_max(self.defer_max, "leases_defer_max") < backoff:
@@ -227,6 +238,7 @@ class LeaseSettings:
             renew_interval=conf.get("leases_renew_interval"),
             drift_margin=conf.get("leases_drift_margin"),
             on_lost=get("leases_on_lost", "flag"),
+            on_busy=get("leases_on_busy", "wait"),
             max_takeovers=get("leases_max_takeovers", 5),
             defer_backoff=get("leases_defer_backoff", 1.0),
             defer_max=get("leases_defer_max", 60.0),
@@ -260,13 +272,23 @@ class LeaseSettings:
         return LeaseTiming(ttl, renew_interval, drift_margin)
 
 
+def _check_mode(value: object, modes: tuple[str, ...], name: str) -> None:
+    if value not in modes:
+        raise LeaseConfigurationError(
+            f"{name} must be one of {', '.join(map(repr, modes))}, got {value!r}"
+        )
+
+
 def check_on_lost(value: object, name: str) -> OnLost:
     """Check an ``on_lost`` mode; raises LeaseConfigurationError naming ``name``."""
-    if value not in ON_LOST_MODES:
-        raise LeaseConfigurationError(
-            f"{name} must be one of {', '.join(map(repr, ON_LOST_MODES))}, got {value!r}"
-        )
-    return value
+    _check_mode(value, ON_LOST_MODES, name)
+    return value  # type: ignore[return-value]
+
+
+def check_on_busy(value: object, name: str) -> OnBusy:
+    """Check an ``on_busy`` mode; raises LeaseConfigurationError naming ``name``."""
+    _check_mode(value, ON_BUSY_MODES, name)
+    return value  # type: ignore[return-value]
 
 
 def check_max_takeovers(value: object, name: str) -> int | None:

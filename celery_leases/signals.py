@@ -57,9 +57,22 @@ lease_completed = Signal(name="lease_completed", providing_args={"lease", "job_i
 #: The lease was given up without completing (failure, retry, shutdown).
 lease_released = Signal(name="lease_released", providing_args={"lease", "job_id", "reason"})
 
-#: A delivery found its job completed by the same send (a redelivery) and
-#: did not run; it answers with the stored result. ``generation`` is the
-#: completing run's, ``task_id`` this delivery's; ``lease`` is ``None``.
+#: A delivery did not run and was not published again; ``lease`` is
+#: ``None`` and ``task_id`` is this delivery's. ``reason`` is
+#: ``"completed"`` (its job was completed by the same send, a redelivery:
+#: it answers with the stored result; ``generation`` is the completing
+#: run's) or ``"busy"`` (``lease_on_busy="skip"`` and another send holds
+#: the job: its result is ``LeaseSkipped``; ``generation``, ``holder`` and
+#: ``holder_task_id`` are the holder's).
 lease_skipped = Signal(
-    name="lease_skipped", providing_args={"lease", "job_id", "generation", "task_id"}
+    name="lease_skipped",
+    providing_args={
+        "lease",
+        "job_id",
+        "generation",
+        "task_id",
+        "reason",
+        "holder",
+        "holder_task_id",
+    },
 )

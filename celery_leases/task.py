@@ -9,6 +9,7 @@ right after it returns::
       │         │         └─raises, lease lost──▶ fenced out: Ignore
       │         └─lost before the body starts──▶ fenced out: Ignore (no body)
       ├─HeldElsewhere──▶ publish again with a countdown, Ignore
+      │    (lease_on_busy="skip", another send holds it)──▶ LeaseSkipped (FAILURE)
       ├─AlreadyCompleted (same send)──▶ answer with the stored result
       └─StoreUnavailable──▶ publish again with backoff, Ignore
 
@@ -34,7 +35,13 @@ from celery._state import _task_stack  # no public API; tests/unit/test_layout.p
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_leases import observe, signals
-from celery_leases.errors import LeaseConfigurationError, LeaseError, LeaseLost, StoreUnavailable
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseError,
+    LeaseLost,
+    LeaseSkipped,
+    StoreUnavailable,
+)
 from celery_leases.heartbeat import process_heartbeat
 from celery_leases.lease import Lease, make_owner
 from celery_leases.losses import fenced_out, react_to_loss, reject_poison
@@ -43,8 +50,8 @@ from celery_leases.publish import DEFERRALS_HEADER
 from celery_leases.run_steps import (
     UNKNOWN_COMPLETION,
     answer_completed,
+    answer_held,
     complete_run,
-    defer_held,
     defer_unavailable,
     release,
 )
@@ -60,9 +67,11 @@ from celery_leases.runtime import (
 from celery_leases.sending import send_id_for
 from celery_leases.settings import (
     LeaseTiming,
+    OnBusy,
     OnLost,
     check_defer_max,
     check_max_takeovers,
+    check_on_busy,
     check_on_lost,
 )
 from celery_leases.stores.base import Acquired, AlreadyCompleted, HeldElsewhere, Refusal
@@ -89,6 +98,9 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     reject_on_worker_lost = True
     #: tells the task its message's content type, so a copy keeps it
     Request = "celery_leases.request:LeasedRequest"
+    #: a skipped call (``lease_on_busy="skip"``) is an expected outcome: Celery
+    #: logs it without a traceback; a subclass's own ``throws`` keep it too
+    throws: tuple[type[BaseException], ...] = (LeaseSkipped,)
 
     lease_ttl: float | None = None
     lease_renew_interval: float | None = None
@@ -99,6 +111,19 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lease_key: str | Callable[..., str] | None = None
     lease_max_takeovers: int | None = None
     lease_defer_max: float | None = None
+    #: a call whose key another send holds: ``"wait"`` (run after it) or
+    #: ``"skip"`` (not run; its result is ``LeaseSkipped``)
+    lease_on_busy: OnBusy | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # ``@app.task(base=LeasedTask, ...)`` makes a subclass: a wrong mode
+        # is refused where the task is defined, not at its first call
+        super().__init_subclass__(**kwargs)
+        if cls.lease_on_busy is not None:
+            name = cls.__dict__.get("name") or cls.__qualname__
+            check_on_busy(cls.lease_on_busy, f"{name}.lease_on_busy")
+        if not issubclass(LeaseSkipped, tuple(cls.throws)):
+            cls.throws = (*cls.throws, LeaseSkipped)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -141,6 +166,12 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return settings_for(self.app).on_lost
         return check_on_lost(self.lease_on_lost, f"{self.name}.lease_on_lost")
 
+    def lease_on_busy_mode(self) -> OnBusy:
+        """This task's ``on_busy`` mode, validated."""
+        if self.lease_on_busy is None:
+            return settings_for(self.app).on_busy
+        return check_on_busy(self.lease_on_busy, f"{self.name}.lease_on_busy")
+
     def lease_takeover_limit(self) -> int | None:
         """This task's takeover limit (None: no limit), validated."""
         if self.lease_max_takeovers is None:
@@ -166,6 +197,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 self.lease_defer_limit(),
                 self.app.conf.result_serializer,
                 settings_for(self.app).result_max_bytes,
+                self.lease_on_busy_mode(),
             ),
         )
 
@@ -274,12 +306,13 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 if run.lease.job_id == job_id and run.lease.store is store:
                     return self._run_nested(run, request, args, kwargs)
             started = time.monotonic()  # before the claim is sent
+            send_id = send_id_for(request, job_id)
             claim = store.claim(
                 job_id,
                 owner,
                 options.timing.ttl,
                 task_name=self.name,
-                send_id=send_id_for(request, job_id),
+                send_id=send_id,
                 task_id=task_id,
             )
         except StoreUnavailable as exc:
@@ -287,7 +320,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if isinstance(claim, AlreadyCompleted):
             return answer_completed(self, request, claim)
         if isinstance(claim, HeldElsewhere):
-            defer_held(self, request, args, kwargs, claim, options.defer_max)
+            answer_held(self, request, args, kwargs, claim, send_id, options)
         lease = self._make_lease(claim, started, store, options, request)
         limit = options.takeover_limit
         if limit is not None and claim.takeovers > limit:

@@ -309,6 +309,7 @@ def _check_task(
     except LeaseConfigurationError as exc:
         raise LeaseConfigurationError(f"task {task.name!r}: {exc}") from exc
     mode = task.lease_on_lost_mode()
+    task.lease_on_busy_mode()
     task.lease_takeover_limit()
     if task.lease_defer_max is not None:
         check_defer_max(task.lease_defer_max, f"{task.name}.lease_defer_max")

@@ -48,6 +48,7 @@ SINGLETON = "acceptance.singleton"
 HOG = "acceptance.hog"
 SLOW_ONCE = "acceptance.slow_once"
 HOLD_HUB = "acceptance.hold_hub"
+BEAT = "acceptance.beat"
 
 
 @dataclass(frozen=True)
@@ -353,6 +354,18 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         _event(config, self, "start")
         _sleep_steps(seconds, step)
         side_channel(config.side).incr(f"side:done:{self.request.id}")
+        _event(config, self, "done")
+        return {"worker": self.request.hostname, "generation": self.lease.generation}
+
+    @celery_app.task(
+        base=LeasedTask, bind=True, shared=False, name=BEAT, lease_key="beat",
+        lease_on_busy="skip",
+    )  # fmt: skip
+    def beat(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:
+        """``steps`` as one job whatever the call (a beat entry's task): a call
+        while another runs is skipped (``lease_on_busy="skip"``)."""
+        _event(config, self, "start")
+        _sleep_steps(seconds, step)
         _event(config, self, "done")
         return {"worker": self.request.hostname, "generation": self.lease.generation}
 

@@ -13,6 +13,7 @@ from celery_leases import (
     LeasedTask,
     LeaseLost,
     LeaseSettings,
+    LeaseSkipped,
     LeaseTiming,
     TakeoverLimitExceeded,
     install,
@@ -43,6 +44,7 @@ def report(self: LeasedTask, customer_id: int) -> str:
 
 class Careful(LeasedTask):
     lease_on_lost = "flag"
+    lease_on_busy = "skip"
     lease_max_takeovers = 3
 
     def on_lease_lost(self, lease: Lease) -> None:
@@ -64,6 +66,10 @@ lease_lost.connect(on_lost)
 
 def limit(error: TakeoverLimitExceeded) -> int:
     return error.takeovers - error.limit
+
+
+def skipped_for(error: LeaseSkipped) -> str:
+    return f"{error.job_id} held by {error.holder_task_id}, {error.remaining:.1f} s left"
 
 
 # operator tools

@@ -169,6 +169,14 @@ def test_a_deferred_duplicate_and_a_skipped_copy_are_listed(state: State) -> Non
     assert str(task.lease_attempts).endswith("skipped (already completed by generation 7) on b@h")
 
 
+def test_a_call_skipped_as_busy_names_the_run_that_holds_its_job(state: State) -> None:
+    send(
+        state, "lease-skipped", uuid="t2", hostname="b@h", job_id="beat", generation=7,
+        reason="busy", holder_task_id="t1",
+    )  # fmt: skip
+    assert state.tasks["t2"].lease_fate == "skipped (busy: held by t1, generation 7)"
+
+
 def test_a_lease_event_before_any_task_event_makes_the_task(state: State) -> None:
     claim(state, 7)
     task = state.tasks["t1"]

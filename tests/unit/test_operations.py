@@ -217,3 +217,23 @@ def test_beat_reads_the_purge_entry_as_an_hourly_interval() -> None:
     due, next_check = entry.is_due()
     assert not due  # a fresh entry runs one period after beat starts
     assert 0 < next_check <= 3600
+
+
+def test_skipped_calls_are_counted_by_reason_and_a_busy_one_as_a_held_claim(
+    metrics: None,
+) -> None:
+    before = {
+        "busy": value("celery_leases_skipped_total", reason="busy"),
+        "completed": value("celery_leases_skipped_total", reason="completed"),
+        "held": value("celery_leases_claims_total", outcome="held"),
+    }
+    signals.lease_skipped.send(
+        sender=FakeTask, lease=None, job_id="m5", generation=7, task_id="t2", reason="busy",
+        holder="host:1:abc", holder_task_id="t1",
+    )  # fmt: skip
+    signals.lease_skipped.send(
+        sender=FakeTask, lease=None, job_id="m5", generation=7, task_id="t1", reason="completed"
+    )
+    assert value("celery_leases_skipped_total", reason="busy") == before["busy"] + 1
+    assert value("celery_leases_skipped_total", reason="completed") == before["completed"] + 1
+    assert value("celery_leases_claims_total", outcome="held") == before["held"] + 1

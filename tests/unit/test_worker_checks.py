@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,16 +9,7 @@ from celery import Celery
 
 from celery_leases import LeaseConfigurationError, LeasedTask, LeaseSettings
 from celery_leases.redact import mask, secrets_of
-from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app, check_store
-
-
-@pytest.fixture
-def app() -> Iterator[Celery]:
-    app = Celery("checks", set_as_current=False)
-    yield app
-    forget_runtime(app)
-    app.close()
 
 
 def _leased(app: Celery) -> None:

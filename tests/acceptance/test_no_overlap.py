@@ -1,0 +1,125 @@
+"""``lease_on_busy="skip"`` on real workers: a beat-like job never overlaps
+itself, and calls made while it runs are answered at once.
+
+``acceptance.beat`` is one job whatever its arguments (``lease_key="beat"``).
+A sender calls it every 2 s; each run takes 7 s; the lease TTL is 2 s, so
+the lease is renewed all through a run. Each call that finds a run going is
+skipped: its result is ``LeaseSkipped`` right away, nothing is published
+again, and nothing piles up behind the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from datetime import datetime, timezone
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_leases import LeaseSkipped, LeaseState
+from tests.acceptance.app import BEAT
+from tests.acceptance.conftest import Cluster
+from tests.acceptance.harness import Worker
+
+PERIOD = 2.0
+BODY = 7.0
+SENDS = 8
+#: the longest a skipped call may take from its send to its stored answer:
+#: one delivery, one claim and one read of the record, on a loaded machine;
+#: well below the run it found going (``BODY``)
+ANSWER_LIMIT = 4.0
+#: generous bound for an answer the test waits on
+WAIT = 60.0
+
+STORES = pytest.mark.parametrize("lease_store_target", ["redis", "postgres"], indirect=True)
+
+
+def _answer(result: AsyncResult) -> dict[str, object] | LeaseSkipped:
+    try:
+        return dict(result.get(timeout=WAIT))
+    except LeaseSkipped as skipped:
+        return skipped
+
+
+def _done_at(result: AsyncResult) -> float:
+    """When the worker stored the answer (wall clock, seconds)."""
+    done: datetime = result.date_done
+    if done.tzinfo is None:
+        done = done.replace(tzinfo=timezone.utc)
+    return done.timestamp()
+
+
+@STORES
+def test_a_call_every_2_s_of_a_7_s_job_runs_it_without_overlap_or_backlog(
+    cluster: Cluster,
+) -> None:
+    cluster.worker("a")
+    cluster.worker("b")
+    sent: list[tuple[float, AsyncResult]] = []
+    first = time.monotonic()
+    for n in range(SENDS):
+        time.sleep(max(first + n * PERIOD - time.monotonic(), 0.0))  # the sender's period
+        sent.append((time.time(), cluster.send(BEAT, BODY)))
+    answers = [(at, result, _answer(result)) for at, result in sent]
+
+    ran = [result for _, result, answer in answers if not isinstance(answer, LeaseSkipped)]
+    skipped = [(at, result, a) for at, result, a in answers if isinstance(a, LeaseSkipped)]
+    print(
+        f"{len(ran)} runs, {len(skipped)} skipped; skipped answered after "
+        f"{[round(_done_at(r) - at, 2) for at, r, _ in skipped]} s"
+    )
+    assert len(ran) >= 2, "the job ran again once free"
+    assert len(ran) <= 1 + SENDS * PERIOD / BODY, "calls piled up and ran one after another"
+    assert len(ran) + len(skipped) == SENDS
+    runs = sorted(
+        (cluster.side.wait_event(r.id, "start", timeout=WAIT)[0]["at"],
+         cluster.side.wait_event(r.id, "done", timeout=WAIT)[0]["at"])
+        for r in ran
+    )  # fmt: skip
+    for (_, done), (start, _) in itertools.pairwise(runs):
+        assert start >= done, f"runs overlap: {runs}"
+    run_ids = {r.id for r in ran}
+    for at, result, error in skipped:
+        assert result.state == "FAILURE"
+        assert _done_at(result) - at < ANSWER_LIMIT, "a skipped call is answered at once"
+        assert any(f"held by task {run_id}" in str(error) for run_id in run_ids), error
+        assert cluster.side.events(result.id, "start") == []  # its body never ran
+    # nothing waits in the broker and nothing was published again
+    assert cluster.side.client.llen(cluster.config.queue) == 0
+    logs = "".join(worker.log() for worker in cluster.workers)
+    assert "lease deferred" not in logs
+    assert logs.count("lease skipped") == len(skipped)
+
+
+@STORES
+def test_a_killed_holder_lets_the_next_call_run_once_its_lease_runs_out(
+    cluster: Cluster,
+) -> None:
+    workers = [cluster.worker("a"), cluster.worker("b")]
+    holder = cluster.send(BEAT, 120.0)
+    [started] = cluster.side.wait_event(holder.id, "start", timeout=WAIT)
+    held = cluster.wait_record(
+        "beat", timeout=WAIT, message="the holder's lease", state=LeaseState.HELD
+    )
+    victim = _worker_named(workers, started["worker"])
+    victim.kill()  # SIGKILL, as a machine crash: nothing releases the lease
+
+    skipped: list[LeaseSkipped] = []
+    while True:  # each call is answered before the next is sent
+        answer = _answer(cluster.send(BEAT, 0.1))
+        if not isinstance(answer, LeaseSkipped):
+            break
+        skipped.append(answer)
+        assert len(skipped) < 500, "the dead holder's lease never ran out"
+    record = cluster.record("beat")
+    assert record is not None
+    assert record.state is LeaseState.COMPLETED
+    assert answer["generation"] == record.generation > held.generation
+    assert record.takeovers == 1  # it took over a lease that ran out while held
+    assert all(error.holder_task_id == holder.id or holder.id in str(error) for error in skipped)
+
+
+def _worker_named(workers: list[Worker], hostname: str) -> Worker:
+    [found] = [w for w in workers if hostname.startswith(f"{w.name}@")]
+    return found

@@ -1,0 +1,111 @@
+"""``lease_on_busy="skip"`` in a real Celery worker running in this process.
+
+The broker and result backend are a real redis-server; the lease store is
+the memory store or a real Redis store. Another send's hold on the job is
+made with a claim of the store, as another worker's would be.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_leases import LeasedTask, LeaseSkipped, LeaseState
+from celery_leases.sending import keeping_send_id
+from celery_leases.task import store_for
+from tests.integration.conftest import WAIT, Recorder, worker
+from tests.integration.test_task_inprocess import store_url
+
+pytestmark = pytest.mark.redis
+
+#: the holder's lease: long enough that only a skip answers within it
+HOLD = 30.0
+
+
+def _skipping(app: Celery, recorder: Recorder) -> Any:
+    @app.task(
+        shared=False, base=LeasedTask, bind=True, lease_key="beat-{key}", lease_on_busy="skip"
+    )
+    def beat(self: LeasedTask, key: str) -> str:
+        recorder.add("body", self.request.id)
+        return "ran"
+
+    return beat
+
+
+@pytest.fixture(params=["memory", "redis"])
+def app(
+    request: pytest.FixtureRequest,
+    make_app: Callable[..., Celery],
+    tmp_path: Path,
+    unique: str,
+) -> Celery:
+    """An app on the memory store or a real Redis store."""
+    url, options = store_url(request.param, request, tmp_path, unique)
+    return make_app(url, leases_store_options=options)
+
+
+def test_a_call_whose_key_another_send_holds_is_answered_at_once_with_lease_skipped(
+    app: Celery, recorder: Recorder
+) -> None:
+    beat = _skipping(app, recorder)
+    store = store_for(app)
+    store.claim("beat-k", "other-worker:1:abc", HOLD, send_id="holder-send", task_id="holder")
+    with worker(app):
+        result = beat.delay("k")
+        started = time.monotonic()
+        with pytest.raises(LeaseSkipped, match=r"held by task holder \(generation \d+"):
+            result.get(timeout=WAIT)
+        answered = time.monotonic() - started
+    assert answered < HOLD / 2  # not after the holder's lease ran out
+    assert result.state == "FAILURE"
+    assert recorder.of("body") == []
+    assert recorder.of("duplicate_deferred") == []  # not published again
+    [skipped] = recorder.of("lease_skipped")
+    assert (skipped["reason"], skipped["holder_task_id"]) == ("busy", "holder")
+    assert skipped["task_id"] == result.id
+    record = store.get("beat-k")
+    assert record is not None
+    assert (record.owner, record.state) == ("other-worker:1:abc", LeaseState.HELD)
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    try:  # acknowledged: nothing left in the queue or among the unacked
+        assert broker.llen(app.conf.task_default_queue) == 0
+        assert broker.hlen("unacked") == 0
+    finally:
+        broker.close()
+
+
+def test_a_delivery_of_the_holders_own_send_waits_and_takes_the_job_over(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+    beat = _skipping(app, recorder)
+    store = store_for(app)
+    # the holder (a worker since gone) came from the send this message repeats
+    store.claim("beat-k", "gone-worker:1:abc", 1.5, send_id="send-1", task_id="holder")
+    with worker(app), keeping_send_id("send-1"):
+        result = beat.apply_async(("k",), task_id="holder")
+        assert result.get(timeout=WAIT) == "ran"  # once the holder's lease ran out
+    assert recorder.of("lease_skipped") == []
+    assert recorder.wait("duplicate_deferred")[0]["reason"] == "held"
+    assert recorder.of("body") == ["holder"]
+
+
+def test_an_eager_call_whose_key_is_held_raises_lease_skipped(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+    beat = _skipping(app, recorder)
+    store_for(app).claim("beat-k", "other-worker:1:abc", HOLD, task_id=uuid.uuid4().hex)
+    with pytest.raises(LeaseSkipped) as raised:
+        beat.apply(("k",), throw=True)
+    assert raised.value.job_id == "beat-k"
+    assert raised.value.holder == "other-worker:1:abc"
+    assert recorder.of("body") == []
