@@ -40,6 +40,7 @@ from celery_leases.stores.base import (
     HeldElsewhere,
     LeaseRecord,
     LeaseState,
+    QueuedMark,
     Refusal,
     RefusalReason,
     Released,
@@ -117,6 +118,7 @@ __all__ = [
     "RefusalReason",
     "Released",
     "RenewRequest",
+    "QueuedMark",
     "Renewed",
     # fencing tokens
     "Token",

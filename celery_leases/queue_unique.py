@@ -94,6 +94,7 @@ def send_unique(
     bound = queued_for(task)
     if bound is None or options.get("task_id") or task.app.conf.task_always_eager:
         return _marked(send(args, kwargs, **options), coalesced=False)
+    options.pop("task_id", None)
     job_id = task.lease_job_id(None, tuple(args or ()), dict(kwargs or {}))
     task_id = uuid()
     ttl = min(bound + _wait_before_run(options), MAX_TTL)
