@@ -8,7 +8,9 @@ nothing; that result's ``lease_coalesced`` attribute is ``True``. The run
 that claims the key's lease takes the mark away (right after the claim), so
 the next send publishes again; a revoked or expired message takes it away
 when a worker discards it. A mark that nobody takes away (a lost message, a
-sender that died between the mark and the publish) runs out by itself.
+sender that died between the mark and the publish) runs out by itself:
+until a message is published its mark lasts :data:`PUBLISH_WINDOW`, then the
+task's bound.
 
 Timeline of two senders and a worker::
 
@@ -35,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from celery.signals import task_revoked
 from celery.utils import uuid
@@ -47,12 +49,18 @@ from celery_leases.settings import check_queue_unique
 from celery_leases.signals import lease_claimed
 from celery_leases.stores.checks import MAX_TTL
 
-__all__ = ["COALESCED_ATTRIBUTE", "QUEUED_HEADER", "queued_for", "send_unique"]
+__all__ = ["COALESCED_ATTRIBUTE", "PUBLISH_WINDOW", "QUEUED_HEADER", "queued_for", "send_unique"]
 
 logger = logging.getLogger("celery_leases")
 
+T = TypeVar("T")
+
 #: message header of a send that placed a queued mark: the mark's key
 QUEUED_HEADER = "leases_queued"
+
+#: seconds a mark lasts until its message is published (then it is marked
+#: again for its full time): what a sender that dies in between blocks
+PUBLISH_WINDOW = 60.0
 
 #: attribute of the ``AsyncResult`` a send returns: ``True`` when the send
 #: published nothing and the result is the queued job's
@@ -100,7 +108,9 @@ def send_unique(
     ttl = min(bound + _wait_before_run(options), MAX_TTL)
     try:
         store = store_for(task.app)
-        mark = store.mark_queued(job_id, task_id, ttl)
+        # short until the message is out: a sender that dies before its
+        # publish blocks the key for PUBLISH_WINDOW at most
+        mark = store.mark_queued(job_id, task_id, min(ttl, PUBLISH_WINDOW))
     except LeaseConfigurationError:
         raise
     except LeaseError as exc:
@@ -120,7 +130,34 @@ def send_unique(
     except BaseException:
         _take_back(store, job_id, task_id, "its publish failed")
         raise
+    if ttl > PUBLISH_WINDOW:
+        _mark_longer(store, job_id, task_id, ttl)
     return _marked(result, coalesced=False)
+
+
+def _mark_longer(store: Any, job_id: str, task_id: str, ttl: float) -> None:
+    """Make the published message's mark last ``ttl`` seconds from now."""
+    mark = _store_call(
+        lambda: store.mark_queued(job_id, task_id, ttl),
+        "could not extend the queued mark of job %r (task %s) after its publish; it runs "
+        "out within %.0f s, and a send after that queues another job",
+        job_id, task_id, PUBLISH_WINDOW,
+    )  # fmt: skip
+    if mark is not None and mark.task_id != task_id:
+        logger.warning(
+            "the queued mark of job %r (task %s) ran out before its publish ended; "
+            "task %s of the same key is queued too",
+            job_id, task_id, mark.task_id,
+        )  # fmt: skip
+
+
+def _store_call(call: Callable[[], T], failure: str, *args: Any) -> T | None:
+    """``call()``; ``None`` after a warning (``failure % args``) when the store fails."""
+    try:
+        return call()
+    except LeaseError as exc:
+        logger.warning(failure + " (%s)", *args, exc)
+        return None
 
 
 def _marked(result: Any, *, coalesced: bool) -> Any:
@@ -143,14 +180,12 @@ def _wait_before_run(options: dict[str, Any]) -> float:
 
 def _take_back(store: Any, job_id: str, task_id: str, why: str) -> None:
     """Take the mark of ``task_id`` away; a store error leaves it to run out."""
-    try:
-        store.unmark_queued(job_id, task_id)
-    except LeaseError as exc:
-        logger.warning(
-            "could not take the queued mark of job %r (task %s) away after %s (%s); "
-            "it runs out by itself",
-            job_id, task_id, why, exc,
-        )  # fmt: skip
+    _store_call(
+        lambda: store.unmark_queued(job_id, task_id),
+        "could not take the queued mark of job %r (task %s) away after %s; it runs out "
+        "by itself",
+        job_id, task_id, why,
+    )  # fmt: skip
 
 
 def _queued_key(request: Any) -> str | None:

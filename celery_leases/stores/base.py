@@ -359,7 +359,10 @@ class LeaseStore(abc.ABC):
 
     def mark_queued(self, job_id: str, task_id: str, ttl: float) -> QueuedMark:
         """Mark ``job_id`` as having the message ``task_id`` queued, for
-        ``ttl`` seconds, unless a mark that has not run out is there.
+        ``ttl`` seconds, unless a mark of another task id that has not run
+        out is there. A live mark of ``task_id`` itself runs out ``ttl``
+        seconds from now instead (its ``queued_at`` is kept): a sender marks
+        for a short while, publishes, then marks again for the full time.
 
         Atomic: of many senders at once, one places its mark and the
         others get it. The mark lives apart from the lease record, which it

@@ -234,6 +234,8 @@ class MemoryStore(LeaseStore):
             mark = self._live_mark(job_id, now)
             if mark is None:
                 mark = self._marks[job_id] = QueuedMark(job_id, task_id, now, now + ttl_ms)
+            elif mark.task_id == task_id:
+                mark = self._marks[job_id] = dataclasses.replace(mark, queued_until_ms=now + ttl_ms)
             return mark
 
     def _unmark_queued(self, job_id: str, task_id: str) -> bool:

@@ -28,26 +28,26 @@ local found = redis.call('HMGET', KEYS[1], 'task_id', 'queued_at', 'queued_until
 local live = found[1] and tonumber(found[3]) and tonumber(found[3]) > now
 """
 
-# A live mark answers for itself: {task_id, queued_at, queued_until}.
-_LIVE = """
-if live then
-  return {found[1], found[2], found[3]}
-end
-"""
-
-#: Place the mark unless a live one is there.
+#: Place the mark unless a live one of another task id is there; a live one
+#: of this task id runs out ARGV[2] ms from now instead (queued_at is kept).
 #: KEYS[1] mark key; ARGV[1] task id, ARGV[2] ttl in ms.
 #: Returns {task_id, queued_at, queued_until}: the live mark after the call.
 MARK_QUEUED_SCRIPT = (
     _NOW
-    + _LIVE
     + """
+if live and found[1] ~= ARGV[1] then
+  return {found[1], found[2], found[3]}
+end
+local queued_at = int(now)
+if live then
+  queued_at = found[2]
+end
 local until_ms = now + tonumber(ARGV[2])
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'queued_at', int(now),
+redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'queued_at', queued_at,
   'queued_until', int(until_ms))
 redis.call('PEXPIREAT', KEYS[1], int(until_ms))
-return {ARGV[1], int(now), int(until_ms)}
+return {ARGV[1], queued_at, int(until_ms)}
 """
 )
 
@@ -71,7 +71,15 @@ return 0
 #: The live mark.
 #: KEYS[1] mark key.
 #: Returns {task_id, queued_at, queued_until}, or {} when there is none.
-QUEUED_SCRIPT = _NOW + _LIVE + "return {}\n"
+QUEUED_SCRIPT = (
+    _NOW
+    + """
+if live then
+  return {found[1], found[2], found[3]}
+end
+return {}
+"""
+)
 
 
 def mark_key(prefix: str, job_id: str) -> str:

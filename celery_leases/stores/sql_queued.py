@@ -70,13 +70,23 @@ class QueuedMarks:
             queued_until=now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger),
         )
         ran_out = table.c.queued_until <= now
+        # the sender's own mark, marked again for longer (after its publish)
+        taken = sa.or_(ran_out, table.c.task_id == sa.bindparam("p_task_id"))
         if dialect.name == "mysql":
-            # assignments apply left to right: queued_until, which the
-            # others test, changes last
+            # assignments apply left to right, each seeing the ones before:
+            # queued_at first (it tests ran_out alone), then task_id, then
+            # queued_until, which both tests read
             self.upsert = insert.on_duplicate_key_update(
                 [
-                    (col.name, sa.case((ran_out, insert.inserted[col.name]), else_=col))
-                    for col in (table.c.task_id, table.c.queued_at, table.c.queued_until)
+                    (
+                        "queued_at",
+                        sa.case((ran_out, insert.inserted.queued_at), else_=table.c.queued_at),
+                    ),
+                    ("task_id", sa.case((taken, insert.inserted.task_id), else_=table.c.task_id)),
+                    (
+                        "queued_until",
+                        sa.case((taken, insert.inserted.queued_until), else_=table.c.queued_until),
+                    ),
                 ]
             )
         else:
@@ -84,10 +94,12 @@ class QueuedMarks:
                 index_elements=[table.c.job_id],
                 set_={
                     "task_id": insert.excluded.task_id,
-                    "queued_at": insert.excluded.queued_at,
+                    "queued_at": sa.case(
+                        (ran_out, insert.excluded.queued_at), else_=table.c.queued_at
+                    ),
                     "queued_until": insert.excluded.queued_until,
                 },
-                where=ran_out,
+                where=taken,
             )
         live = sa.and_(table.c.job_id == sa.bindparam("p_job_id"), table.c.queued_until > now)
         read = sa.select(table.c.task_id, table.c.queued_at, table.c.queued_until).where(live)

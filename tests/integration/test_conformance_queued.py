@@ -34,6 +34,25 @@ def test_a_second_mark_gets_the_first_one(store: LeaseStore) -> None:
     assert store.queued(JOB) == first
 
 
+def test_a_mark_again_by_its_own_task_id_lasts_longer_and_keeps_queued_at(
+    store: LeaseStore,
+) -> None:
+    first = store.mark_queued(JOB, "task-a", 5)
+    again = store.mark_queued(JOB, "task-a", 600)
+    assert again.task_id == "task-a"
+    assert again.queued_at_ms == first.queued_at_ms
+    assert again.queued_until_ms >= first.queued_at_ms + 600_000
+    assert store.queued(JOB) == again
+    assert store.mark_queued(JOB, "task-b", 30) == again
+
+
+def test_a_mark_again_after_it_ran_out_starts_anew(store: LeaseStore) -> None:
+    first = store.mark_queued(JOB, "task-a", SHORT_TTL)
+    wait_for_store_clock(store, first.queued_until_ms)
+    again = store.mark_queued(JOB, "task-a", 30)
+    assert again.queued_at_ms >= first.queued_until_ms
+
+
 def test_marks_of_other_keys_are_independent(store: LeaseStore) -> None:
     store.mark_queued(JOB, "task-a", 30)
     assert store.mark_queued("report-8", "task-b", 30).task_id == "task-b"

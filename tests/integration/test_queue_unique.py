@@ -7,6 +7,9 @@ it) or, where the store's own failure is the point, a Redis store.
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,12 +40,14 @@ def queue_length(app: Celery, server: RedisServer) -> int:
 
 def unique_task(app: Celery, recorder: Recorder | None = None, **options: Any) -> Any:
     @app.task(
-        base=LeasedTask,
-        bind=True,
-        name=f"{app.main}.report",
-        lease_key=KEY,
-        lease_queue_unique=True,
-        **options,
+        **{
+            "base": LeasedTask,
+            "bind": True,
+            "name": f"{app.main}.report",
+            "lease_key": KEY,
+            "lease_queue_unique": True,
+            **options,
+        }
     )
     def report(self: Any, user_id: int, note: str = "") -> str:
         if recorder is not None:
@@ -204,3 +209,73 @@ def wait_for(condition: Callable[[], bool], timeout: float = WAIT) -> None:
     while not condition():
         assert time.monotonic() < deadline, "waited in vain"
         time.sleep(0.05)
+
+
+#: a sender that is killed (SIGKILL) after it placed its mark, before its
+#: publish: argv broker, store URL, store prefix, queue
+_DYING_SENDER = """
+import os, signal, sys
+from celery import Celery, Task
+import celery_leases.queue_unique
+from celery_leases import LeasedTask
+
+broker, store, prefix, queue = sys.argv[1:5]
+celery_leases.queue_unique.PUBLISH_WINDOW = 1.0
+app = Celery("dying", broker=broker, set_as_current=False)
+app.conf.update(
+    task_default_queue=queue, leases_store=store, leases_store_options={"prefix": prefix}
+)
+
+
+@app.task(base=LeasedTask, bind=True, name="dying.report", lease_key="report-{user_id}",
+          lease_queue_unique=True)
+def report(self, user_id):
+    pass
+
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+Task.apply_async = die  # the publish Celery would make next
+report.delay(7)
+"""
+
+
+def test_a_sender_killed_before_its_publish_blocks_the_key_for_the_publish_window_only(
+    make_app: Callable[..., Celery], redis_server: RedisServer, unique: str
+) -> None:
+    prefix = f"t{unique}:"
+    app = make_app(store=redis_server.url, leases_store_options={"prefix": prefix})
+    queue = app.conf.task_default_queue
+    dying = subprocess.run(
+        [sys.executable, "-c", _DYING_SENDER, redis_server.url, redis_server.url, prefix, queue],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=False,
+    )
+    assert dying.returncode == -signal.SIGKILL, dying.stderr
+    store = store_for(app)
+    mark = store.queued("report-7")
+    assert mark is not None  # placed, and nothing was published
+    assert mark.queued_until_ms - mark.queued_at_ms == 1000
+    assert queue_length(app, redis_server) == 0
+    wait_for(lambda: store.now_ms() >= mark.queued_until_ms)
+    report = unique_task(app)
+    sent = report.delay(7)
+    assert sent.lease_coalesced is False
+    assert sent.id != mark.task_id
+    assert queue_length(app, redis_server) == 1
+
+
+def test_a_published_message_is_marked_for_the_full_bound(
+    make_app: Callable[..., Celery], redis_server: RedisServer
+) -> None:
+    app = make_app()
+    report = unique_task(app, lease_queue_unique=900)
+    sent = report.apply_async((7,), countdown=100)
+    mark = store_for(app).queued("report-7")
+    assert mark is not None
+    assert mark.task_id == sent.id
+    assert mark.queued_until_ms - mark.queued_at_ms >= 1_000_000
