@@ -10,6 +10,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -279,3 +280,40 @@ def test_a_published_message_is_marked_for_the_full_bound(
     assert mark is not None
     assert mark.task_id == sent.id
     assert mark.queued_until_ms - mark.queued_at_ms >= 1_000_000
+
+
+def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+    release = threading.Event()
+
+    @app.task(
+        base=LeasedTask, bind=True, name=f"{app.main}.slow", lease_key=KEY,
+        lease_queue_unique=True,
+    )  # fmt: skip
+    def slow(self: Any, user_id: int, note: str) -> str:
+        recorder.add("ran", note)
+        if note == "first":
+            assert release.wait(WAIT)
+        return note
+
+    store = store_for(app)
+    with worker(app, pool="threads", concurrency=2):
+        first = slow.delay(7, "first")
+        recorder.wait("ran")
+        second = slow.delay(7, "second")
+        # the second is delivered, finds the key held, and is deferred: a
+        # copy with its task id, still queued, still marked
+        recorder.wait("duplicate_deferred")
+        mark = store.queued("report-7")
+        assert mark is not None
+        assert mark.task_id == second.id
+        third = slow.delay(7, "third")
+        assert third.lease_coalesced is True
+        assert third.id == second.id
+        release.set()
+        assert first.get(timeout=WAIT) == "first"
+        assert third.get(timeout=WAIT) == "second"
+        assert store.queued("report-7") is None
+    assert recorder.of("ran") == ["first", "second"]
