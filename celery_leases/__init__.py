@@ -41,6 +41,7 @@ from celery_leases.stores.base import (
     HeldElsewhere,
     LeaseRecord,
     LeaseState,
+    QueuedMark,
     Refusal,
     RefusalReason,
     Released,
@@ -118,6 +119,7 @@ __all__ = [
     "RefusalReason",
     "Released",
     "RenewRequest",
+    "QueuedMark",
     "Renewed",
     # fencing tokens
     "Token",

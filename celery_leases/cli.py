@@ -32,7 +32,13 @@ from celery.bin.base import CeleryCommand
 
 from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery inspect leases`
 from celery_leases.checks import run_checks
-from celery_leases.display import parse_duration, record_to_dict, short_time, table
+from celery_leases.display import (
+    parse_duration,
+    queued_to_dict,
+    record_to_dict,
+    short_time,
+    table,
+)
 from celery_leases.errors import (
     LeaseConfigurationError,
     LeaseStoreWarning,
@@ -246,13 +252,16 @@ def ls_command(
 @_json_option
 @click.pass_context
 def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    """Show every field of one job's record."""
+    """Show every field of one job's record, and its queued mark if it has one."""
     with _store(ctx) as store:
         record = store.get(job_id)
+        mark = store.queued(job_id)
         now = store.now_ms()
-    if record is None:
+    if record is None and mark is None:
         _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
-    data = record_to_dict(record, now)
+    data = {"job_id": job_id} if record is None else record_to_dict(record, now)
+    if mark is not None:
+        data.update(queued_to_dict(mark, now))
     if as_json:
         _emit_json(data)
         return

@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from celery_leases.stores.base import LeaseRecord, LeaseState, ms_to_datetime
+from celery_leases.stores.base import LeaseRecord, LeaseState, QueuedMark, ms_to_datetime
 
-__all__ = ["parse_duration", "record_to_dict", "short_time", "table"]
+__all__ = ["parse_duration", "queued_to_dict", "record_to_dict", "short_time", "table"]
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -65,6 +65,17 @@ def record_to_dict(record: LeaseRecord, store_now_ms: int) -> dict[str, Any]:
         data["released_by"] = record.released_by
         data["release_reason"] = record.release_reason
     return data
+
+
+def queued_to_dict(mark: QueuedMark, store_now_ms: int) -> dict[str, Any]:
+    """A JSON-ready view of a queued mark (``lease_queue_unique``): the
+    queued message's task id, when it was marked and when the mark runs out."""
+    return {
+        "queued_task_id": mark.task_id,
+        "queued_at": ms_to_datetime(mark.queued_at_ms).isoformat(),
+        "queued_until": ms_to_datetime(mark.queued_until_ms).isoformat(),
+        "queued_remaining": round(max(mark.queued_until_ms - store_now_ms, 0) / 1000, 3),
+    }
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:

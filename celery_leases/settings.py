@@ -47,6 +47,7 @@ from celery_leases.redact import mask_settings, secrets_of
 from celery_leases.stores.checks import MAX_TTL
 
 __all__ = [
+    "DEFAULT_QUEUED_FOR",
     "MAX_DEFER",
     "MAX_RESULT_MAX_BYTES",
     "MAX_TTL",
@@ -60,6 +61,7 @@ __all__ = [
     "OnLost",
     "check_defer_max",
     "check_on_busy",
+    "check_queue_unique",
     "check_republish_options",
     "default_drift_margin",
 ]
@@ -309,6 +311,26 @@ def check_defer_max(value: object, name: str) -> float:
     would re-publish a deferred message in a tight loop.
     """
     return _seconds(name, value, maximum=MAX_DEFER)
+
+
+#: how long a queued mark of ``lease_queue_unique = True`` lasts at most
+#: (seconds, counted from the message's countdown or eta)
+DEFAULT_QUEUED_FOR = 3600.0
+
+
+def check_queue_unique(value: object, name: str) -> float | None:
+    """Check a ``lease_queue_unique`` option; raises LeaseConfigurationError naming ``name``.
+
+    Returns:
+        ``None`` when it is off (``False`` or ``None``); otherwise how long a
+        queued mark lasts at most: :data:`DEFAULT_QUEUED_FOR` for ``True``,
+        or the positive number of seconds given, up to a day (``MAX_TTL``).
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_QUEUED_FOR
+    return _seconds(name, value, maximum=MAX_TTL)
 
 
 def check_result_max_bytes(value: object, name: str) -> int:

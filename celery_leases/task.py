@@ -47,6 +47,7 @@ from celery_leases.lease import Lease, make_owner
 from celery_leases.losses import fenced_out, react_to_loss, reject_poison
 from celery_leases.notify import notify
 from celery_leases.publish import DEFERRALS_HEADER
+from celery_leases.queue_unique import send_unique
 from celery_leases.run_steps import (
     UNKNOWN_COMPLETION,
     answer_completed,
@@ -115,6 +116,11 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     #: ``"skip"`` (not run; its result is ``LeaseSkipped``)
     lease_on_busy: OnBusy | None = None
 
+    #: at most one queued job per ``lease_key``: True (marks last at most
+    #: ``DEFAULT_QUEUED_FOR`` s) or the seconds a mark lasts at most; see
+    #: :mod:`celery_leases.queue_unique`
+    lease_queue_unique: bool | float = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # ``@app.task(base=LeasedTask, ...)`` makes a subclass: a wrong mode
         # is refused where the task is defined, not at its first call
@@ -128,6 +134,16 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
     @classmethod
     def on_bound(cls, app: Any) -> None:
         app_bound(app)  # the worker integration installs its bootstep on this
+
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
+        """Celery's ``apply_async``; with ``lease_queue_unique``, a key that has
+        a job queued gets that job's ``AsyncResult`` (``lease_coalesced`` True)
+        and nothing is published."""
+        if task_id is not None:
+            options["task_id"] = task_id
+        return send_unique(self, super().apply_async, args, kwargs, options)
 
     # -- what task code uses -------------------------------------------------
 

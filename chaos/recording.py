@@ -26,7 +26,13 @@ from celery_leases import (
     RenewRequest,
 )
 from celery_leases.errors import LeaseRecordUnreadable
-from celery_leases.stores.base import ClaimResult, CompleteResult, ReleaseResult, RenewResult
+from celery_leases.stores.base import (
+    ClaimResult,
+    CompleteResult,
+    QueuedMark,
+    ReleaseResult,
+    RenewResult,
+)
 from celery_leases.stores.checks import ttl_to_ms
 from chaos.history import History
 
@@ -273,6 +279,15 @@ class RecordingStore(LeaseStore):
 
     def _now_ms(self) -> int:
         return self.inner._now_ms()
+
+    def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark:
+        return self.inner.mark_queued(job_id, task_id, ttl_ms / 1000)
+
+    def _unmark_queued(self, job_id: str, task_id: str) -> bool:
+        return self.inner.unmark_queued(job_id, task_id)
+
+    def _queued(self, job_id: str) -> QueuedMark | None:
+        return self.inner.queued(job_id)
 
     def close(self) -> None:
         self.inner.close()

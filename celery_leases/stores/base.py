@@ -36,6 +36,7 @@ from celery_leases.stores.checks import (
     check_text,
     ttl_to_ms,
 )
+from celery_leases.stores.queued import QueuedMark
 from celery_leases.stores.results import (
     TASK_ID_SEND_PREFIX,
     Acquired,
@@ -80,6 +81,7 @@ __all__ = [
     "MAX_OUTCOME_BYTES",
     "MAX_TTL",
     "MIN_RETENTION",
+    "QueuedMark",
     "ms_to_datetime",
     "refusal_for",
     "ttl_to_ms",
@@ -353,6 +355,45 @@ class LeaseStore(abc.ABC):
         """The store's clock, in milliseconds since the epoch."""
         return self._now_ms()
 
+    # -- queued marks (``lease_queue_unique``) -------------------------------
+
+    def mark_queued(self, job_id: str, task_id: str, ttl: float) -> QueuedMark:
+        """Mark ``job_id`` as having the message ``task_id`` queued, for
+        ``ttl`` seconds, unless a mark of another task id that has not run
+        out is there. A live mark of ``task_id`` itself runs out ``ttl``
+        seconds from now instead (its ``queued_at`` is kept): a sender marks
+        for a short while, publishes, then marks again for the full time.
+
+        Atomic: of many senders at once, one places its mark and the
+        others get it. The mark lives apart from the lease record, which it
+        never changes.
+
+        Returns:
+            The live mark after the call: this one (its ``task_id`` is the
+            one passed) or the one that was there.
+
+        Raises:
+            StoreUnavailable: the store could not be asked; whether the mark
+                was placed is unknown (it runs out after ``ttl``).
+            LeaseConfigurationError: an argument is invalid.
+        """
+        return self._mark_queued(
+            check_job_id(job_id), check_text(task_id, "task_id"), ttl_to_ms(ttl)
+        )
+
+    def unmark_queued(self, job_id: str, task_id: str) -> bool:
+        """Take the mark of ``job_id`` away if it names ``task_id``.
+
+        Returns:
+            Whether a mark of ``task_id`` was taken away (a mark of another
+            task id is left as it is).
+        """
+        return self._unmark_queued(check_job_id(job_id), check_text(task_id, "task_id"))
+
+    def queued(self, job_id: str) -> QueuedMark | None:
+        """The mark of ``job_id`` that has not run out, or ``None``."""
+        return self._queued(check_job_id(job_id))
+
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release connections held by the store."""
 
@@ -406,3 +447,12 @@ class LeaseStore(abc.ABC):
 
     @abc.abstractmethod
     def _now_ms(self) -> int: ...
+
+    @abc.abstractmethod
+    def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark: ...
+
+    @abc.abstractmethod
+    def _unmark_queued(self, job_id: str, task_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _queued(self, job_id: str) -> QueuedMark | None: ...

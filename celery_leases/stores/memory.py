@@ -24,6 +24,7 @@ from celery_leases.stores.base import (
     LeaseRecord,
     LeaseState,
     LeaseStore,
+    QueuedMark,
     Released,
     ReleaseResult,
     Renewed,
@@ -68,6 +69,7 @@ class MemoryStore(LeaseStore):
         self._clock = clock or _wall_clock_ms
         self._lock = unpatched.lock()  # the heartbeat's OS threads take it too
         self._data: dict[str, LeaseRecord] = {}
+        self._marks: dict[str, QueuedMark] = {}
 
     @property
     def renews_outside_the_hub(self) -> bool:
@@ -221,6 +223,32 @@ class MemoryStore(LeaseStore):
             for job_id in doomed:
                 del self._data[job_id]
             return len(doomed)
+
+    def _live_mark(self, job_id: str, now: int) -> QueuedMark | None:
+        mark = self._marks.get(job_id)
+        return mark if mark is not None and mark.queued_until_ms > now else None
+
+    def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark:
+        with self._lock:
+            now = self._clock()
+            mark = self._live_mark(job_id, now)
+            if mark is None:
+                mark = self._marks[job_id] = QueuedMark(job_id, task_id, now, now + ttl_ms)
+            elif mark.task_id == task_id:
+                mark = self._marks[job_id] = dataclasses.replace(mark, queued_until_ms=now + ttl_ms)
+            return mark
+
+    def _unmark_queued(self, job_id: str, task_id: str) -> bool:
+        with self._lock:
+            mark = self._marks.get(job_id)
+            if mark is None or mark.task_id != task_id:
+                return False
+            del self._marks[job_id]
+            return mark.queued_until_ms > self._clock()
+
+    def _queued(self, job_id: str) -> QueuedMark | None:
+        with self._lock:
+            return self._live_mark(job_id, self._clock())
 
 
 def _finished_at(record: LeaseRecord) -> int | None:

@@ -49,6 +49,7 @@ HOG = "acceptance.hog"
 SLOW_ONCE = "acceptance.slow_once"
 HOLD_HUB = "acceptance.hold_hub"
 BEAT = "acceptance.beat"
+QUEUE_UNIQUE = "acceptance.queue_unique"
 
 
 @dataclass(frozen=True)
@@ -472,6 +473,20 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
         _event(config, self, "start")
         _sleep_steps(seconds, 0.05)
         side_channel(config.side).incr(f"side:done:{self.request.id}")
+        return value
+
+    @celery_app.task(
+        base=LeasedTask, bind=True, shared=False, name=QUEUE_UNIQUE,
+        lease_key="queued-{key}", lease_queue_unique=True,
+    )  # fmt: skip
+    def queue_unique(self: Any, key: str, value: Any) -> Any:
+        """Return ``value`` once ``side:gate:<key>`` exists; one queued job per ``key``."""
+        _event(config, self, "start", value=value)
+        side = side_channel(config.side)
+        deadline = time.monotonic() + 120
+        while not side.exists(f"side:gate:{key}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        side.incr(f"side:done:{self.request.id}")
         return value
 
     @celery_app.task(base=LeasedTask, bind=True, shared=False, name=SLOW_ONCE)

@@ -26,6 +26,7 @@ from celery_leases.cli import (
     EXIT_REFUSED,
     EXIT_UNAVAILABLE,
 )
+from celery_leases.stores.base import ms_to_datetime
 from celery_leases.stores.sql import create_table
 from tests.integration.test_conformance import backdate_completion, wait_for_store_clock
 from tests.servers import MariadbServer, PostgresServer, RedisServer, free_port
@@ -143,6 +144,26 @@ def test_show_prints_every_field_of_one_record(target: tuple[Cli, LeaseStore]) -
     assert text.returncode == 0
     assert re.search(rf"^generation +{generation}$", text.stdout, re.MULTILINE)
     assert "released_by" not in text.stdout  # only after a release
+
+
+def test_show_prints_the_queued_mark_of_a_key(target: tuple[Cli, LeaseStore]) -> None:
+    cli, store = target
+    mark = store.mark_queued("report-7", "task-queued", 600)
+    # a key whose job is queued but never ran has no record yet
+    shown = cli.json("show", "report-7")
+    assert shown["job_id"] == "report-7"
+    assert "state" not in shown
+    assert shown["queued_task_id"] == "task-queued"
+    assert shown["queued_until"] == ms_to_datetime(mark.queued_until_ms).isoformat()
+    assert 0 < shown["queued_remaining"] <= 600
+    # a key with a record and a job queued behind it shows both
+    _claim(store, "report-7")
+    text = cli("show", "report-7")
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"^state +held$", text.stdout, re.MULTILINE)
+    assert re.search(r"^queued_task_id +task-queued$", text.stdout, re.MULTILINE)
+    store.unmark_queued("report-7", "task-queued")
+    assert "queued_task_id" not in cli.json("show", "report-7")
 
 
 def test_show_of_an_unknown_job_exits_3(target: tuple[Cli, LeaseStore]) -> None:

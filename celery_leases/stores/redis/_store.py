@@ -25,12 +25,14 @@ from celery_leases.stores.base import (
     LeaseRecord,
     LeaseState,
     LeaseStore,
+    QueuedMark,
     Released,
     ReleaseResult,
     RenewRequest,
     RenewResult,
     unreadable,
 )
+from celery_leases.stores.redis import _queued as redis_queued
 from celery_leases.stores.redis import _scripts as scripts
 from celery_leases.stores.redis._batches import Call, RedisBatches
 from celery_leases.stores.redis._connections import (
@@ -119,6 +121,9 @@ class RedisStore(RedisBatches, LeaseStore):
         self._release_script = client.register_script(scripts.RELEASE_SCRIPT)
         self._force_release_script = client.register_script(FORCE_RELEASE_SCRIPT)
         self._purge_one_script = client.register_script(PURGE_ONE_SCRIPT)
+        self._mark_queued_script = client.register_script(redis_queued.MARK_QUEUED_SCRIPT)
+        self._unmark_queued_script = client.register_script(redis_queued.UNMARK_QUEUED_SCRIPT)
+        self._queued_script = client.register_script(redis_queued.QUEUED_SCRIPT)
         self._config_pending = check_config
         if check_config:
             self._check_config(client)
@@ -353,3 +358,24 @@ class RedisStore(RedisBatches, LeaseStore):
         with self._errors("now_ms"):
             seconds, microseconds = self._client.time()
             return int(seconds) * 1000 + int(microseconds) // 1000
+
+    # -- queued marks (module redis_queued) ----------------------------------------
+
+    def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark:
+        with self._errors("mark_queued", job_id):
+            key = redis_queued.mark_key(self.prefix, job_id)
+            reply = self._eval(self._mark_queued_script, key, task_id, ttl_ms)
+            mark = redis_queued.queued_mark(job_id, reply)
+            if mark is None:
+                raise ResponseError(f"unexpected reply {reply!r} from the mark script")
+            return mark
+
+    def _unmark_queued(self, job_id: str, task_id: str) -> bool:
+        with self._errors("unmark_queued", job_id):
+            key = redis_queued.mark_key(self.prefix, job_id)
+            return bool(int(self._eval(self._unmark_queued_script, key, task_id)))
+
+    def _queued(self, job_id: str) -> QueuedMark | None:
+        with self._errors("queued", job_id):
+            key = redis_queued.mark_key(self.prefix, job_id)
+            return redis_queued.queued_mark(job_id, self._eval(self._queued_script, key))

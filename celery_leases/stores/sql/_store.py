@@ -14,6 +14,7 @@ from celery_leases.stores.base import (
     CompleteResult,
     LeaseRecord,
     LeaseStore,
+    QueuedMark,
     ReleaseResult,
     RenewRequest,
     RenewResult,
@@ -32,6 +33,7 @@ from celery_leases.stores.sql._errors import DRIVER_ERRORS, lost_connection, sto
 from celery_leases.stores.sql._mysql_operations import MysqlOperations, MysqlStatements
 from celery_leases.stores.sql._operations import Operations
 from celery_leases.stores.sql._pool import Checkouts
+from celery_leases.stores.sql._queued import QueuedMarks
 from celery_leases.stores.sql._records import SqlRecords
 from celery_leases.stores.sql._sqlite import SQLITE_BUSY_TIMEOUT
 from celery_leases.stores.sql._statements import Statements
@@ -115,6 +117,7 @@ class SqlStore(SqlRecords, LeaseStore):
         self._writer = engine.execution_options(**self._dialect.write_options)
         self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = Statements.build(self.table, self._dialect)
+        self._queued_marks = QueuedMarks(self.table, self._dialect)
         self._operations = (
             MysqlOperations(
                 self._statements, self.url, MysqlStatements.build(self.table, self._dialect)
@@ -317,3 +320,37 @@ class SqlStore(SqlRecords, LeaseStore):
                 return step(conn, *arguments)
             with conn.begin():
                 return step(conn, *arguments)
+
+    # -- queued marks (module sql_queued) ------------------------------------
+
+    def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark:
+        marks = self._queued_marks
+
+        def work() -> QueuedMark:
+            marks.exists(self.engine, create=True)
+            return marks.mark(self._in_write, job_id, task_id, ttl_ms)
+
+        # never tried again after a dead connection: the mark may be placed,
+        # and the caller cannot tell it from another sender's
+        return self._call("mark_queued", work, job_id=job_id)
+
+    def _unmark_queued(self, job_id: str, task_id: str) -> bool:
+        marks = self._queued_marks
+
+        def work() -> bool:
+            if not marks.exists(self.engine, create=False):
+                return False
+            return self._in_write(marks.unmark, job_id, task_id)
+
+        return self._call("unmark_queued", work, again=True, job_id=job_id)
+
+    def _queued(self, job_id: str) -> QueuedMark | None:
+        marks = self._queued_marks
+
+        def work() -> QueuedMark | None:
+            if not marks.exists(self.engine, create=False):
+                return None
+            with self._reader.connect() as conn:
+                return marks.live(conn, job_id)
+
+        return self._call("queued", work, again=True, job_id=job_id)

@@ -1,0 +1,76 @@
+"""lease_queue_unique with a real ``celery worker``: at most one queued job per key.
+
+The client sends through the task's ``delay`` (it imports celery_leases);
+the broker is Redis, so the test reads the queue's length from its list.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+
+from tests.acceptance.app import QUEUE_UNIQUE
+from tests.acceptance.conftest import Cluster
+
+pytestmark = pytest.mark.redis
+
+SENDS = 20
+WAIT = 60.0
+
+
+def queue_length(cluster: Cluster) -> int:
+    client = redis.Redis.from_url(cluster.config.broker)
+    try:
+        return int(client.llen(cluster.config.queue))
+    finally:
+        client.close()
+
+
+def send_many(cluster: Cluster, key: str, first_value: int) -> list[Any]:
+    """``SENDS`` sends of ``key`` from 4 threads at once; their results in send order."""
+    task = cluster.client.tasks[QUEUE_UNIQUE]
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda i: task.delay(key, first_value + i), range(SENDS)))
+
+
+def one_published(results: list[Any]) -> tuple[Any, int]:
+    """The one result whose send published, and its index; every other
+    result names the same task."""
+    published = [i for i, r in enumerate(results) if not r.lease_coalesced]
+    assert len(published) == 1, [(r.id, r.lease_coalesced) for r in results]
+    (index,) = published
+    assert {r.id for r in results} == {results[index].id}
+    return results[index], index
+
+
+@pytest.mark.parametrize("lease_store_target", ["redis", "postgres"], indirect=True)
+def test_sends_while_one_is_queued_become_one_message(cluster: Cluster) -> None:
+    key = "k1"
+    # no worker yet: the first send is queued, the other 19 get it
+    first, first_index = one_published(send_many(cluster, key, 0))
+    assert queue_length(cluster) == 1
+    mark = cluster.store.queued(f"queued-{key}")
+    assert mark is not None
+    assert mark.task_id == first.id
+
+    cluster.worker("a")
+    cluster.side.wait_event(first.id, "start", timeout=WAIT)
+    # its run claimed the lease, so the key has nothing queued: the next
+    # send publishes again, and it is the one the 19 after it get
+    assert cluster.store.queued(f"queued-{key}") is None
+    second, second_index = one_published(send_many(cluster, key, 100))
+    assert second.id != first.id
+    assert queue_length(cluster) == 1  # the worker is busy with the first
+
+    redis.Redis.from_url(cluster.config.side).set(f"side:gate:{key}", 1)
+    # every caller of a send gets the value of the send that published
+    assert first.get(timeout=WAIT) == first_index
+    assert second.get(timeout=WAIT) == 100 + second_index
+    assert cluster.side.done_count(first.id) == 1
+    assert cluster.side.done_count(second.id) == 1
+    starts = cluster.side.events(kind="start")
+    assert sorted(e["job"] for e in starts) == sorted([first.id, second.id])
+    assert cluster.store.queued(f"queued-{key}") is None
