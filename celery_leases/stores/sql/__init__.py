@@ -55,6 +55,7 @@ from celery_leases.stores.sql._table import (
     key_text,
     lease_table,
     lock_on_duplicate,
+    record_of,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "create_table",
     "lease_table",
     "indexes_in",
+    "record_of",
     "DEFAULT_TABLE_NAME",
     "DEFAULT_TIMEOUT",
     "CLAIM_ATTEMPTS",

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.engine import Connection
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
@@ -396,8 +396,10 @@ def _check_table_name(table_name: object) -> None:
         )
 
 
-def record_of(row: RowMapping, where: str) -> LeaseRecord:
-    """The record in ``row``.
+def record_of(row: Mapping[Any, Any], where: str) -> LeaseRecord:
+    """The record in ``row``, a row of the lease table by column name: the one
+    reader of a lease row, for the store, the fenced SQL targets and the Django
+    app (``where`` names the table in the message of an unreadable one).
 
     Raises:
         LeaseRecordUnreadable: a column holds what the store never writes.
@@ -428,18 +430,18 @@ def record_of(row: RowMapping, where: str) -> LeaseRecord:
         raise unreadable(job_id, where, str(error)) from error
 
 
-def _whole(row: RowMapping, name: str) -> int:
+def _whole(row: Mapping[Any, Any], name: str) -> int:
     value = row[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} is {value!r}, not a whole number")
     return value
 
 
-def _optional_whole(row: RowMapping, name: str) -> int | None:
+def _optional_whole(row: Mapping[Any, Any], name: str) -> int | None:
     return None if row[name] is None else _whole(row, name)
 
 
-def _text(row: RowMapping, name: str) -> str:
+def _text(row: Mapping[Any, Any], name: str) -> str:
     value = row[name]
     if not isinstance(value, str):
         raise ValueError(f"{name} is {value!r}, not text")
