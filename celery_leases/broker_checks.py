@@ -43,6 +43,7 @@ from celery_leases.errors import LeaseConfigurationError
 from celery_leases.filesystem import TRANSPORT as WHOLE_FILES_TRANSPORT
 from celery_leases.filesystem import Transport as WholeFilesTransport
 from celery_leases.filesystem import visibility_timeout_option
+from celery_leases.urls import url_scheme
 
 __all__ = [
     "AMQP_TRANSPORTS",
@@ -79,13 +80,8 @@ _SQS_SCHEMES = ("sqs",)
 _SHORTEST_CAP = 0.5
 
 
-def _scheme(url: object) -> str:
-    """The scheme of a broker URL setting, lower case ("" when unset)."""
-    return str(url or "").split("://", 1)[0].lower()
-
-
 def _is_amqp(app: Any) -> bool:
-    return _scheme(app.conf.broker_url) in AMQP_TRANSPORTS
+    return url_scheme(app.conf.broker_url) in AMQP_TRANSPORTS
 
 
 def consumer_timeout(app: Any) -> float | None:
@@ -194,7 +190,7 @@ _DEFAULT_VISIBILITY = {"redis": 3600.0, "sqs": 1800.0}
 
 def visibility_transport(app: Any) -> str | None:
     """``"redis"``, ``"sqs"`` or None: the transport ``app`` consumes from."""
-    scheme = _scheme(app.conf.broker_read_url or app.conf.broker_url)
+    scheme = url_scheme(app.conf.broker_read_url or app.conf.broker_url)
     if scheme in _REDIS_SCHEMES:
         return "redis"
     if scheme in _SQS_SCHEMES:
@@ -334,7 +330,7 @@ def filesystem_warnings(app: Any) -> list[str]:
     and the message is lost (:mod:`celery_leases.filesystem`).
     """
     urls = (app.conf.broker_read_url, app.conf.broker_write_url, app.conf.broker_url)
-    if "filesystem" not in {_scheme(url) for url in urls} or _whole_files(app):
+    if "filesystem" not in {url_scheme(url) for url in urls} or _whole_files(app):
         return []
     return [
         "the broker is filesystem:// on kombu's own transport, which loses a message when a "

@@ -17,6 +17,7 @@ from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.runtime import forget_runtime, settings_for
 from celery_leases.spelling import misspelled_settings
 from celery_leases.stores import is_sql_url, open_store
+from celery_leases.urls import url_scheme
 from celery_leases.worker import SQLITE_PAUSE_WARNING, check_app
 
 __all__ = ["Check", "run_checks"]
@@ -52,7 +53,9 @@ def run_checks(app: Any) -> list[Check]:
         detail = f"{exc} ({'; '.join(hints)})" if hints else str(exc)
         return [Check("settings", "error", detail, exit_code=5)]
     report.append(
-        Check("settings", "ok", f"store {_scheme(settings.store_url)}://, ttl {settings.ttl:g} s")
+        Check(
+            "settings", "ok", f"store {url_scheme(settings.store_url)}://, ttl {settings.ttl:g} s"
+        )
     )
     if is_sql_url(settings.store_url):
         # the worker's start checks would create a missing table; a check must not
@@ -92,10 +95,6 @@ def _topic(warning: str) -> str:
     if warning == SQLITE_PAUSE_WARNING:
         return "store"
     return "settings" if warning.startswith("the setting ") else "tasks"
-
-
-def _scheme(url: str) -> str:
-    return url.split("://", 1)[0]
 
 
 def _store_checks(url: str, options: dict[str, Any]) -> list[Check]:

@@ -21,7 +21,6 @@ through unchanged: the connection and its transaction are yours.
 from __future__ import annotations
 
 from celery_leases.fencing.sql_column import DEFAULT_FENCE_COLUMN, fenced_update, fenced_upsert
-from celery_leases.fencing.sql_dialect import MYSQL_NOW_MS, POSTGRES_NOW_MS, SQLITE_NOW_MS
 from celery_leases.fencing.sql_table import (
     DEFAULT_FENCE_TABLE,
     SqlFences,
@@ -31,6 +30,7 @@ from celery_leases.fencing.sql_table import (
     fenced_execute,
 )
 from celery_leases.fencing.sql_transaction import SqlLeaseStore, fenced_transaction
+from celery_leases.stores.sql import MYSQL_NOW_MS, POSTGRES_NOW_MS, SQLITE_NOW_MS
 
 __all__ = [
     "DEFAULT_FENCE_COLUMN",

@@ -1,8 +1,10 @@
 """What differs between the SQL databases fenced writes run on.
 
-PostgreSQL and SQLite both have an upsert with a condition (``INSERT ... ON
-CONFLICT ... DO UPDATE ... WHERE``) and a clock readable in a statement;
-every fenced form of :mod:`celery_leases.fencing.sql` builds on these.
+The dialect table is the SQL store's (:func:`celery_leases.stores.sql.dialect_named`):
+its clock, its INSERT and MySQL's upsert that locks. PostgreSQL and SQLite
+both have an upsert with a condition (``INSERT ... ON CONFLICT ... DO UPDATE
+... WHERE``); every fenced form of :mod:`celery_leases.fencing.sql` builds on
+it.
 
 MySQL and MariaDB have an upsert (``ON DUPLICATE KEY UPDATE``) without a
 condition that reports whether it wrote, so there a fenced write inserts or
@@ -17,23 +19,18 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
-from sqlalchemy.dialects import postgresql as pg
-from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql.expression import ColumnElement
 
-from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing import OnRepeat
-from celery_leases.stores.sql import MYSQL_NAMES, MYSQL_NOW_MS, MYSQL_ROW_EXISTED
+from celery_leases.stores.sql import (
+    MYSQL_NAMES,
+    MYSQL_ROW_EXISTED,
+    dialect_named,
+    lock_on_duplicate,
+)
 
-__all__ = ["MYSQL_NOW_MS", "POSTGRES_NOW_MS", "SQLITE_NOW_MS"]
-
-# The clock of the lease check, in integer milliseconds like lease_until.
-# PostgreSQL: clock_timestamp() is the time of the check itself; now() would
-# be the start of the transaction, possibly long before.
-POSTGRES_NOW_MS = "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)"
-# SQLite: julianday('now') minus the Unix epoch as a Julian day, in ms.
-SQLITE_NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+__all__ = ["insert_for", "is_mysql", "lock_or_insert", "newer", "now_ms"]
 
 
 def is_mysql(conn: Connection) -> bool:
@@ -48,30 +45,12 @@ def lock_or_insert(
     columns: Sequence[sa.Column[Any]],
 ) -> Row[Any] | None:
     """MySQL: insert ``values`` as the row with primary key ``key`` (None),
-    or, when that row exists, its ``columns`` as they were, now locked.
-
-    One upsert decides: ``INSERT ... ON DUPLICATE KEY UPDATE key = IF(
-    LAST_INSERT_ID(marker), key, key)`` inserts, or locks the row that is
-    there (exclusively: a later ``FOR UPDATE`` read never has to upgrade a
-    shared lock, which would deadlock two writers) and changes nothing; the
-    marker, reported back as the statement's insert id, tells which it was.
-    A row count cannot: with ``CLIENT_FOUND_ROWS`` (SQLAlchemy's setting)
-    both count 1. Two writers of a new row take turns on its key lock, where
-    a read first would lock the gap and deadlock them. The marker stays the
-    session's ``LAST_INSERT_ID()``.
+    or, when that row exists, its ``columns`` as they were, now locked
+    (:func:`~celery_leases.stores.sql.lock_on_duplicate`). The marker stays
+    the session's ``LAST_INSERT_ID()``.
     """
     first = next(iter(key))
-    statement = (
-        mysql.insert(table)
-        .values(dict(values))
-        .on_duplicate_key_update(
-            {
-                first: sa.func.IF(
-                    sa.func.LAST_INSERT_ID(MYSQL_ROW_EXISTED), table.c[first], table.c[first]
-                )
-            }
-        )
-    )
+    statement = lock_on_duplicate(mysql.insert(table).values(dict(values)), table.c[first])
     if conn.execute(statement).lastrowid != MYSQL_ROW_EXISTED:
         return None
     locate = (
@@ -83,15 +62,8 @@ def lock_or_insert(
 
 
 def insert_for(conn: Connection, table: sa.Table) -> Any:
-    """The dialect's INSERT, which has ``on_conflict_do_update``."""
-    name = conn.dialect.name
-    if name == "postgresql":
-        return pg.insert(table)
-    if name == "sqlite":
-        return sqlite_dialect.insert(table)
-    raise LeaseConfigurationError(
-        f"fenced SQL writes need PostgreSQL, SQLite or MySQL/MariaDB, not {name!r}"
-    )
+    """The dialect's INSERT (PostgreSQL's and SQLite's have ``on_conflict_do_update``)."""
+    return dialect_named(conn.dialect.name, "fenced SQL writes").insert(table)
 
 
 def newer(
@@ -104,12 +76,5 @@ def newer(
 
 
 def now_ms(conn: Connection) -> ColumnElement[int]:
-    if conn.dialect.name == "postgresql":
-        return sa.literal_column(POSTGRES_NOW_MS, sa.BigInteger)
-    if conn.dialect.name == "sqlite":
-        return sa.literal_column(SQLITE_NOW_MS, sa.BigInteger)
-    if is_mysql(conn):
-        return sa.literal_column(MYSQL_NOW_MS, sa.BigInteger)
-    raise LeaseConfigurationError(
-        f"fenced_transaction needs PostgreSQL, SQLite or MySQL/MariaDB, not {conn.dialect.name!r}"
-    )
+    """The database's clock in ms, as a column expression."""
+    return dialect_named(conn.dialect.name, "fenced_transaction").now_ms()

@@ -18,7 +18,8 @@ from sqlalchemy.engine import Connection, Engine
 from celery_leases.errors import LeaseConfigurationError, LeaseLost, StoreUnavailable
 from celery_leases.fencing import HolderToken, check_token
 from celery_leases.fencing.sql_dialect import now_ms
-from celery_leases.stores.base import LeaseRecord, LeaseState, refusal_for
+from celery_leases.stores.base import LeaseState, refusal_for
+from celery_leases.stores.sql import record_of
 
 __all__ = ["SqlLeaseStore", "fenced_transaction"]
 
@@ -39,17 +40,15 @@ def _check_holder(lease: HolderToken) -> tuple[str, str, int]:
 def lease_lost_error(
     conn: Connection, lease_table: sa.Table, job_id: str, owner: str, generation: int
 ) -> LeaseLost:
-    """Describe why the lease check found no current lease."""
+    """Describe why the lease check found no current lease.
+
+    Raises:
+        LeaseRecordUnreadable: the record of ``job_id`` cannot be read.
+    """
     row = conn.execute(sa.select(lease_table).where(lease_table.c.job_id == job_id)).first()
     if row is None:
         return refusal_for(None, job_id, owner, generation).error("fenced transaction")
-    record = LeaseRecord(
-        job_id=row.job_id,
-        owner=row.owner,
-        generation=int(row.generation),
-        lease_until_ms=int(row.lease_until),
-        state=LeaseState(row.state),
-    )
+    record = record_of(row._mapping, f"table {lease_table.name!r}")
     if (
         record.owner == owner
         and record.generation == generation

@@ -12,6 +12,7 @@ from typing import Any
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.redact import mask, secrets_of
 from celery_leases.stores.base import LeaseStore
+from celery_leases.urls import url_scheme
 
 __all__ = [
     "LeaseStore",
@@ -34,12 +35,12 @@ _SQL_SCHEMES = ("postgresql", "postgresql+psycopg", "sqlite", "sqlite+pysqlite",
 
 def is_redis_url(url: str) -> bool:
     """Whether ``url`` names a Redis lease store (one server, Sentinel or Cluster)."""
-    return url.split("://", 1)[0].lower() in (*_REDIS_SCHEMES, *_CLUSTER_SCHEMES)
+    return url_scheme(url) in (*_REDIS_SCHEMES, *_CLUSTER_SCHEMES)
 
 
 def is_sql_url(url: str) -> bool:
     """Whether ``url`` names a SQL lease store (which has a table to create)."""
-    return url.split("://", 1)[0].lower() in _SQL_SCHEMES
+    return url_scheme(url) in _SQL_SCHEMES
 
 
 #: schemes added by integrations (``django://`` by celery_leases.contrib.django)
@@ -68,8 +69,8 @@ def register_scheme(scheme: str, opener: StoreOpener) -> None:
 
 def scheme_is_known(url: str) -> bool:
     """Whether :func:`open_store` can open ``url``'s scheme now (built in or registered)."""
-    scheme = url.split("://", 1)[0].lower()
-    return scheme in {"memory", *_REDIS_SCHEMES, *_CLUSTER_SCHEMES, *_SQL_SCHEMES, *_REGISTERED}
+    known = {"memory", *_REDIS_SCHEMES, *_CLUSTER_SCHEMES, *_SQL_SCHEMES, *_REGISTERED}
+    return url_scheme(url) in known
 
 
 def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:
@@ -115,7 +116,7 @@ def open_store(url: str, **options: Any) -> LeaseStore:
             "is not a URL; use redis://host:6379/0, "
             "postgresql+psycopg://user@host/db, sqlite:///path/to/file.db or memory://"
         )
-    scheme = url.split("://", 1)[0].lower()
+    scheme = url_scheme(url)
     try:
         return _open(scheme, url, options)
     except TypeError as exc:

@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_leases.errors import LeaseConfigurationError, LeaseLost, StaleFencingToken
+from celery_leases.errors import (
+    LeaseConfigurationError,
+    LeaseLost,
+    LeaseRecordUnreadable,
+    StaleFencingToken,
+)
 from celery_leases.fencing import FenceResult, Token
 from celery_leases.fencing.http import FenceChecker, fencing_headers
 from celery_leases.fencing.sql import (
@@ -423,6 +428,20 @@ def test_fenced_transaction_rolls_back_on_error(
     with pytest.raises(RuntimeError):
         task_body()
     assert results(lease_store, results_table) == []
+
+
+def test_fenced_transaction_on_an_unreadable_record_says_so(lease_store: SqlStore) -> None:
+    lease = claim(lease_store, "worker-a")
+    table = lease_store.table
+    with lease_store.engine.begin() as conn:
+        conn.execute(table.update().where(table.c.job_id == "job-1").values(state="garbage"))
+    with (
+        pytest.raises(LeaseRecordUnreadable, match="unreadable") as unreadable,
+        fenced_transaction(lease_store, lease),
+    ):
+        pytest.fail("the body must not run")
+    assert unreadable.value.job_id == "job-1"
+    assert table.name in str(unreadable.value)
 
 
 def test_fenced_transaction_needs_the_owner(lease_store: SqlStore) -> None:

@@ -38,7 +38,7 @@ from sqlalchemy.pool import NullPool
 from celery_leases.contrib.django.store import connection_arguments
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.exactly_once import ExactlyOnce, OpenTransaction, StatementTurns, run_once
-from celery_leases.stores.sql import MYSQL_NAMES
+from celery_leases.stores.sql import dialect_named
 
 __all__ = ["exactly_once"]
 
@@ -254,6 +254,6 @@ def _where(connection: sa.Connection, table_name: str) -> tuple[str, ...]:
         files = connection.exec_driver_sql("PRAGMA database_list").all()
         main = next(str(row[2]) for row in files if row[1] == "main")
         return ("sqlite", os.path.realpath(main) if main else "", table_name)
-    name = "mysql" if name in MYSQL_NAMES else name
+    name = dialect_named(name, "exactly_once").name
     row = connection.execute(sa.text(_WHERE[name]), {"table": table_name}).one()
     return (name, *map(str, row))

@@ -15,6 +15,7 @@ from django.db import models
 from django.db.models.functions import Now
 
 from celery_leases.stores.base import LeaseRecord, LeaseState
+from celery_leases.stores.sql import record_of
 
 __all__ = ["ExactTextField", "Fence", "Lease"]
 
@@ -69,26 +70,13 @@ class Lease(models.Model):
         return f"{self.job_id} ({self.state}, generation {self.generation})"
 
     def record(self) -> LeaseRecord:
-        """This row as the store's :class:`~celery_leases.stores.base.LeaseRecord`."""
-        return LeaseRecord(
-            job_id=self.job_id,
-            owner=self.owner,
-            generation=self.generation,
-            lease_until_ms=self.lease_until,
-            state=LeaseState(self.state),
-            task_name=self.task_name,
-            claimed_at_ms=self.claimed_at,
-            renewed_at_ms=self.renewed_at,
-            completed_at_ms=self.completed_at,
-            renew_count=self.renew_count,
-            takeovers=self.takeovers,
-            send_id=self.send_id,
-            outcome=None if self.outcome is None else bytes(self.outcome),
-            released_at_ms=self.released_at,
-            released_by=self.released_by,
-            release_reason=self.release_reason,
-            task_id=self.task_id,
-        )
+        """This row as the store's :class:`~celery_leases.stores.base.LeaseRecord`.
+
+        Raises:
+            LeaseRecordUnreadable: a column holds what the store never writes.
+        """
+        row = {field.column: getattr(self, field.attname) for field in self._meta.concrete_fields}
+        return record_of(row, f"table {self._meta.db_table!r}")
 
 
 class Fence(models.Model):

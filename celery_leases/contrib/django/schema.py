@@ -10,26 +10,23 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
-from celery_leases.stores.sql import DEFAULT_TABLE_NAME, indexes_in, lease_table
+from celery_leases.stores.sql import DEFAULT_TABLE_NAME, dialect_named, indexes_in, lease_table
 
 __all__ = ["create_statements", "drop_statements"]
 
-#: Django's connection vendors (MariaDB's too is "mysql") and their dialects
-_DIALECTS = {"postgresql": postgresql.dialect, "sqlite": sqlite.dialect, "mysql": mysql.dialect}
-
 
 def _dialect(vendor: str) -> Any:
-    if vendor not in _DIALECTS:
+    """SQLAlchemy's dialect of a Django connection's vendor (MariaDB's too is "mysql")."""
+    try:
+        return dialect_named(vendor, "the celery_leases tables").compiler()
+    except LeaseConfigurationError as exc:
         raise LeaseConfigurationError(
-            f"the celery_leases tables need PostgreSQL, SQLite or MySQL/MariaDB, not {vendor!r}: "
-            "point the migration at one with a database router, or leave "
+            f"{exc}; point the migration at one with a database router, or leave "
             "celery_leases.contrib.django out of INSTALLED_APPS"
-        )
-    return _DIALECTS[vendor]()
+        ) from None
 
 
 def _tables() -> list[sa.Table]:

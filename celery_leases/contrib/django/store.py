@@ -22,6 +22,7 @@ from django.db import connections
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores import register_scheme
 from celery_leases.stores.sql import SqlStore
+from celery_leases.urls import url_scheme
 
 __all__ = ["SCHEME", "connection_arguments", "open_django_store", "register"]
 
@@ -45,7 +46,7 @@ _READING_ONLY = {
 
 
 def _alias(url: str) -> str:
-    if not url.lower().startswith(f"{SCHEME}://"):
+    if url_scheme(url) != SCHEME:
         raise LeaseConfigurationError(f"{url!r} is not a django://<alias> URL")
     alias = url.split("://", 1)[1].strip("/") or "default"
     if alias not in settings.DATABASES:

@@ -49,6 +49,7 @@ from celery_leases.stores.redis._connections import (
 from celery_leases.stores.redis._replies import as_text, escape_glob, evalsha
 from celery_leases.stores.redis._store import SCAN_BATCH, RedisStore
 from celery_leases.stores.results import RenewRequest
+from celery_leases.urls import url_scheme
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
 
@@ -129,18 +130,18 @@ class RedisClusterStore(RedisStore):
             LeaseConfigurationError: the URL or an option is invalid.
             StoreUnavailable: no node of the URL answered.
         """
-        scheme, _, rest = url.partition("://")
-        plain = CLUSTER_SCHEMES.get(scheme.lower())
+        plain = CLUSTER_SCHEMES.get(url_scheme(url))
         if plain is None:
             raise LeaseConfigurationError(
                 f"{mask(url)!r} is not a cluster URL; use redis+cluster://host:port"
             )
         renew_connections = check_renew_connections(renew_connections)
         options = client_options(client_options_)
-        client = _open_cluster(url, f"{plain}://{rest}", options)
+        nodes = f"{plain}://{url.partition('://')[2]}"
+        client = _open_cluster(url, nodes, options)
         try:
             renew_client = _open_cluster(
-                url, f"{plain}://{rest}", {**options, "max_connections": renew_connections}
+                url, nodes, {**options, "max_connections": renew_connections}
             )
         except BaseException:
             client.close()

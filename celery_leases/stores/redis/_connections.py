@@ -36,6 +36,7 @@ from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning
 from celery_leases.redact import mask
 from celery_leases.stores.redis._replies import as_text
 from celery_leases.stores.redis._sentinel import SENTINEL_SCHEME, sentinel_client
+from celery_leases.urls import url_scheme
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT",
@@ -102,7 +103,7 @@ def open_client(url: str, options: dict[str, Any]) -> tuple[redis.Redis, Sentine
     Raises:
         LeaseConfigurationError: the URL or an option is invalid.
     """
-    if url.split("://", 1)[0].lower() == SENTINEL_SCHEME:
+    if url_scheme(url) == SENTINEL_SCHEME:
         client, sentinel = sentinel_client(url, options)
         return client, sentinel, mask(url)
     try:

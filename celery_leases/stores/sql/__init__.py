@@ -50,8 +50,12 @@ from celery_leases.stores.sql._table import (
     MYSQL_ROW_EXISTED,
     POSTGRES_NOW_MS,
     SQLITE_NOW_MS,
+    SqlDialect,
+    dialect_named,
     key_text,
     lease_table,
+    lock_on_duplicate,
+    record_of,
 )
 
 __all__ = [
@@ -60,11 +64,16 @@ __all__ = [
     "create_table",
     "lease_table",
     "indexes_in",
+    "record_of",
     "DEFAULT_TABLE_NAME",
     "DEFAULT_TIMEOUT",
     "CLAIM_ATTEMPTS",
     "MIN_SQLITE_VERSION",
-    # the databases' clocks and names, for the fenced targets' statements
+    # what differs between the databases, for the fenced targets and the
+    # Django app: the dialect table, the clocks, MySQL's upsert that locks
+    "SqlDialect",
+    "dialect_named",
+    "lock_on_duplicate",
     "MYSQL_NAMES",
     "MYSQL_NOW_MS",
     "MYSQL_ROW_EXISTED",

@@ -32,11 +32,11 @@ from celery_leases.stores.sql._postgres import prepare_postgres_engine
 from celery_leases.stores.sql._sqlite import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
 from celery_leases.stores.sql._table import (
     DEFAULT_TABLE_NAME,
-    MYSQL,
     MYSQL_NAMES,
     POSTGRES,
     SQLITE,
     SqlDialect,
+    dialect_named,
     lease_table,
     missing_parts,
 )
@@ -90,22 +90,14 @@ _PREPARING = threading.Lock()
 
 
 def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> SqlDialect:
+    dialect = dialect_named(engine.dialect.name, f"the SQL lease store ({masked_url(engine)})")
     _ENGINES.add(engine)
-    if engine.dialect.name == "postgresql":
-        if timeout is not None:
-            prepare_postgres_engine(engine, timeout, server_limits)
-        return POSTGRES
-    if engine.dialect.name in MYSQL_NAMES:
-        if timeout is not None:
-            prepare_mysql_engine(engine, timeout, server_limits)
-        return MYSQL
-    if engine.dialect.name == "sqlite":
+    if dialect is SQLITE:
         prepare_sqlite_engine(engine, SQLITE_BUSY_TIMEOUT if timeout is None else timeout)
-        return SQLITE
-    raise LeaseConfigurationError(
-        "the SQL lease store supports PostgreSQL, SQLite and MySQL/MariaDB, "
-        f"not {engine.dialect.name!r} ({masked_url(engine)})"
-    )
+    elif timeout is not None:
+        prepare = prepare_postgres_engine if dialect is POSTGRES else prepare_mysql_engine
+        prepare(engine, timeout, server_limits)
+    return dialect
 
 
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:

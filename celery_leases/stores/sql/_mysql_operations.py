@@ -58,7 +58,7 @@ from celery_leases.stores.base import (
 )
 from celery_leases.stores.sql._operations import CLAIM_ATTEMPTS, Operations
 from celery_leases.stores.sql._statements import Statements
-from celery_leases.stores.sql._table import MYSQL_ROW_EXISTED, SqlDialect
+from celery_leases.stores.sql._table import MYSQL_ROW_EXISTED, SqlDialect, lock_on_duplicate
 
 __all__ = ["MysqlOperations"]
 
@@ -78,14 +78,10 @@ def _error_number(error: exc.DBAPIError) -> int | None:
 
 
 def _claim_upsert(t: sa.Table, dialect: SqlDialect) -> Any:
-    """INSERT the first claim of a job, or lock its record and change nothing.
-
-    ``LAST_INSERT_ID(expr)`` sets the statement's insert id, which the reply
-    carries: a new row reports its generation (the clock), an existing one
-    ``MYSQL_ROW_EXISTED``, set in the ``ON DUPLICATE KEY UPDATE`` branch.
-    The duplicate takes the row's lock exclusively at once, so concurrent first
-    claims of a job wait in turn on its key, with no gap lock to deadlock on.
-    """
+    """INSERT the first claim of a job, or lock its record and change nothing
+    (:func:`lock_on_duplicate`): a new row reports its generation (the clock,
+    set with ``LAST_INSERT_ID(expr)``) as the insert id, an existing one
+    ``MYSQL_ROW_EXISTED``."""
     now = dialect.now_ms()
     insert = mysql.insert(t).values(
         job_id=sa.bindparam("p_job_id"),
@@ -100,8 +96,7 @@ def _claim_upsert(t: sa.Table, dialect: SqlDialect) -> Any:
         send_id=sa.bindparam("p_send_id"),
         task_id=sa.bindparam("p_task_id"),
     )
-    keep = sa.func.IF(sa.func.LAST_INSERT_ID(MYSQL_ROW_EXISTED), t.c.job_id, t.c.job_id)
-    return insert.on_duplicate_key_update(job_id=keep)
+    return lock_on_duplicate(insert, t.c.job_id)
 
 
 @dataclass(frozen=True)

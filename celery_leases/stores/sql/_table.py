@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.engine import Connection
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
 from celery_leases.errors import LeaseConfigurationError
@@ -189,6 +189,8 @@ class SqlDialect:
     #: the larger of two integers (GREATEST in PostgreSQL, two-argument
     #: max() in SQLite)
     greatest: Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[int]]
+    #: SQLAlchemy's dialect, to compile DDL without a connection
+    compiler: Callable[[], sa.engine.Dialect]
 
     def now_ms(self) -> ColumnElement[int]:
         """The database's clock in ms, as a column expression."""
@@ -320,6 +322,7 @@ POSTGRES = SqlDialect(
     read_options={"isolation_level": "AUTOCOMMIT"},
     whole=_postgres_whole,
     greatest=_postgres_greatest,
+    compiler=pg.dialect,
 )
 
 SQLITE = SqlDialect(
@@ -331,6 +334,7 @@ SQLITE = SqlDialect(
     read_options={READ_ONLY_OPTION: True},
     whole=_sqlite_whole,
     greatest=_sqlite_greatest,
+    compiler=sqlite_dialect.dialect,
 )
 
 
@@ -345,7 +349,43 @@ MYSQL = SqlDialect(
     read_options={},
     whole=_postgres_whole,
     greatest=_postgres_greatest,
+    compiler=mysql.dialect,
 )
+
+#: the dialect of each database name SQLAlchemy gives (a Django connection's
+#: vendor is one of them)
+DIALECTS = {"postgresql": POSTGRES, "sqlite": SQLITE, **dict.fromkeys(MYSQL_NAMES, MYSQL)}
+
+
+def dialect_named(name: str, user: str) -> SqlDialect:
+    """The dialect of the database SQLAlchemy (or Django) calls ``name``.
+
+    Raises:
+        LeaseConfigurationError: it is none of PostgreSQL, SQLite, MySQL and
+            MariaDB; the message begins with ``user``, what needs one of them.
+    """
+    if name not in DIALECTS:
+        raise LeaseConfigurationError(
+            f"{user}: the database must be PostgreSQL, SQLite or MySQL/MariaDB, not {name!r}"
+        )
+    return DIALECTS[name]
+
+
+def lock_on_duplicate(insert: Any, column: sa.Column[Any]) -> Any:
+    """MySQL's upsert that locks: ``insert`` (of ``mysql.insert``) inserts its
+    row, or, when a row with its key exists, locks that row exclusively and
+    changes nothing.
+
+    The duplicate branch sets ``LAST_INSERT_ID()`` to :data:`MYSQL_ROW_EXISTED`,
+    which the reply carries as its insert id (``lastrowid``): that tells which
+    it did, where a row count cannot (with ``CLIENT_FOUND_ROWS``, SQLAlchemy's
+    setting, both count 1). The lock is exclusive at once, so a later ``FOR
+    UPDATE`` read never upgrades a shared lock (which deadlocks two writers),
+    and two writers of a new row take turns on its key lock, with no gap lock
+    to deadlock on. ``column`` is the key column the update sets to itself.
+    """
+    keep = sa.func.IF(sa.func.LAST_INSERT_ID(MYSQL_ROW_EXISTED), column, column)
+    return insert.on_duplicate_key_update({column.name: keep})
 
 
 def _check_table_name(table_name: object) -> None:
@@ -356,8 +396,10 @@ def _check_table_name(table_name: object) -> None:
         )
 
 
-def record_of(row: RowMapping, where: str) -> LeaseRecord:
-    """The record in ``row``.
+def record_of(row: Mapping[Any, Any], where: str) -> LeaseRecord:
+    """The record in ``row``, a row of the lease table by column name: the one
+    reader of a lease row, for the store, the fenced SQL targets and the Django
+    app (``where`` names the table in the message of an unreadable one).
 
     Raises:
         LeaseRecordUnreadable: a column holds what the store never writes.
@@ -388,18 +430,18 @@ def record_of(row: RowMapping, where: str) -> LeaseRecord:
         raise unreadable(job_id, where, str(error)) from error
 
 
-def _whole(row: RowMapping, name: str) -> int:
+def _whole(row: Mapping[Any, Any], name: str) -> int:
     value = row[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} is {value!r}, not a whole number")
     return value
 
 
-def _optional_whole(row: RowMapping, name: str) -> int | None:
+def _optional_whole(row: Mapping[Any, Any], name: str) -> int | None:
     return None if row[name] is None else _whole(row, name)
 
 
-def _text(row: RowMapping, name: str) -> str:
+def _text(row: Mapping[Any, Any], name: str) -> str:
     value = row[name]
     if not isinstance(value, str):
         raise ValueError(f"{name} is {value!r}, not text")
