@@ -82,6 +82,23 @@ def test_the_tutorials_blocks_pasted_in_order_make_its_complete_files() -> None:
         assert _code(text) == _code((DOCS / "examples" / "tutorial" / name).read_text()), name
 
 
+def test_the_django_pages_settings_run_in_a_startproject_settings_file(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [sys.executable, "-m", "django", "startproject", "proj", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    settings = tmp_path / "proj" / "settings.py"
+    pasted = _pasted(DOCS / "django.md")["settings.py"]
+    assert "DATABASES" in pasted
+    settings.write_text(f"{settings.read_text()}\n{pasted}")
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import proj.settings"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+
+
 def _pytest(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder), *args],
