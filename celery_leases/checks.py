@@ -8,6 +8,7 @@ this host's clock is from the store's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from typing import Any, Literal
 
 from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.runtime import forget_runtime, settings_for
-from celery_leases.spelling import misspelled_settings
-from celery_leases.stores import is_sql_url, open_store
+from celery_leases.spelling import as_spelled, misspelled_settings
+from celery_leases.stores import is_sql_url, open_store, table_maker
 from celery_leases.urls import url_scheme
 from celery_leases.worker import SQLITE_PAUSE_WARNING, check_app
 
@@ -40,7 +41,18 @@ class Check:
 
 
 def run_checks(app: Any) -> list[Check]:
-    """Check ``app``'s lease settings, tasks and store; never raises for a finding."""
+    """Check ``app``'s lease settings, tasks and store; never raises for a finding.
+
+    Settings are named as the app's configuration spells them
+    (``CELERY_LEASES_TTL`` in a Django project).
+    """
+    return [
+        dataclasses.replace(check, detail=as_spelled(check.detail, app.conf))
+        for check in _checks(app)
+    ]
+
+
+def _checks(app: Any) -> list[Check]:
     report: list[Check] = []
     # the task modules a worker imports at start (imports, include, a Django
     # project's autodiscovered tasks.py), so their leased tasks are checked
@@ -115,9 +127,9 @@ def _store_checks(url: str, options: dict[str, Any]) -> list[Check]:
         except StoreUnavailable as exc:
             return [Check("store", "error", str(exc), exit_code=4)]
         except LeaseConfigurationError as exc:
-            # reached, but refused: rights, or a SQL table not made yet (a
-            # table init-db makes; an integration's store says how it makes its own)
-            hint = " (a new SQL database: celery leases init-db)" if is_sql_url(url) else ""
+            # reached, but refused: rights, or a SQL table not made yet
+            maker = table_maker(url)
+            hint = f" (a new database: {maker})" if maker else ""
             return [Check("store", "error", f"{exc}{hint}", exit_code=5)]
         after = time.time()
     finally:

@@ -31,7 +31,7 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_leases import inspect as _inspect  # noqa: F401 - registers `celery inspect leases`
-from celery_leases.checks import run_checks
+from celery_leases.checks import Check, run_checks
 from celery_leases.display import (
     parse_duration,
     queued_to_dict,
@@ -47,7 +47,14 @@ from celery_leases.errors import (
 from celery_leases.purge import purge_records
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import settings_for
-from celery_leases.stores import LeaseStore, is_sql_url, open_store, scheme_is_known
+from celery_leases.stores import (
+    INIT_DB,
+    LeaseStore,
+    is_sql_url,
+    open_store,
+    scheme_is_known,
+    table_maker,
+)
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 from celery_leases.stores.checks import check_retention
 
@@ -98,6 +105,24 @@ def _app(ctx: click.Context) -> Any:
     return ctx.find_root().obj.app
 
 
+def _no_app(ctx: click.Context) -> str:
+    """Why there are no settings to read when ``celery`` was given no app
+    (no ``-A``, no ``CELERY_APP``) and its fallback app has no lease store;
+    ``""`` otherwise (a fallback app may read a ``celeryconfig`` module)."""
+    root = ctx.find_root()
+    if root.params.get("app") is not None or root.obj.app.conf.get("leases_store"):
+        return ""
+    names = []
+    while ctx.parent is not None:
+        names.append(str(ctx.info_name))
+        ctx = ctx.parent
+    return (
+        "no Celery app was given, so there are no lease settings to read: name your "
+        f"app with -A (celery -A proj {' '.join(reversed(names))}) or the CELERY_APP "
+        "environment variable"
+    )
+
+
 @contextlib.contextmanager
 def _errors(ctx: click.Context, url: str) -> Iterator[None]:
     """Turn lease errors into an exit status and a message without secrets."""
@@ -107,14 +132,17 @@ def _errors(ctx: click.Context, url: str) -> Iterator[None]:
         _fail(ctx, EXIT_UNAVAILABLE, mask(str(exc), secrets=secrets_of(url)))
     except LeaseConfigurationError as exc:
         message = mask(str(exc), secrets=secrets_of(url))
-        if is_sql_url(url) and "table" in message and "init-db" not in ctx.command_path + message:
-            message += " A new database needs its table first: celery leases init-db."
+        maker = table_maker(url)
+        if maker and "table" in message and maker not in f"{ctx.command_path} {message}":
+            message += f" A new database needs its table first: {maker}."
         _fail(ctx, EXIT_CONFIGURATION, message)
 
 
 @contextlib.contextmanager
 def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseStore]:
     """Open the app's lease store; a SQL table is never made by accident."""
+    if no_app := _no_app(ctx):
+        _fail(ctx, EXIT_CONFIGURATION, no_app)
     app = _app(ctx)
     with _errors(ctx, str(app.conf.get("leases_store") or "")):
         settings = settings_for(app)
@@ -123,6 +151,14 @@ def _store(ctx: click.Context, *, create_table: bool = False) -> Iterator[LeaseS
         # a scheme an integration registers when its framework starts
         # (django://): prepare the app as a worker would, which starts it
         app.loader.import_default_modules()
+    maker = table_maker(url)
+    if create_table and maker not in ("", INIT_DB):
+        _fail(
+            ctx,
+            EXIT_CONFIGURATION,
+            f"the lease table of {mask(url)} is made by {maker}, which owns it: run that "
+            "instead (a table init-db made would stand in its way)",
+        )
     options = dict(settings.store_options)
     if is_sql_url(url):
         options["create_table"] = create_table
@@ -375,7 +411,12 @@ def check_command(ctx: click.Context, as_json: bool) -> None:
     """Check the store and the lease setup; exit 1 on any warning."""
     app = _app(ctx)
     url = str(app.conf.get("leases_store") or "")
-    report = run_checks(app)
+    no_app = _no_app(ctx)
+    report = (
+        [Check("settings", "error", no_app, exit_code=EXIT_CONFIGURATION)]
+        if no_app
+        else run_checks(app)
+    )
     secrets = secrets_of(url)
     results = [
         {"check": c.name, "status": c.status, "detail": mask(c.detail, secrets=secrets)}

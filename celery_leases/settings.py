@@ -190,9 +190,9 @@ class LeaseSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.store_url, str) or not self.store_url.strip():
             raise LeaseConfigurationError(
-                "the leases_store setting is missing: set app.conf.leases_store to the "
-                "lease store URL (for example 'redis://localhost:6379/0' or "
-                "'postgresql+psycopg://user@host/db'), or pass --leases-store to the worker"
+                "the leases_store setting is missing: set it to the lease store URL (for "
+                "example 'redis://localhost:6379/0' or 'postgresql+psycopg://user@host/db'), "
+                "or pass --leases-store to the worker"
             )
         _check_store_options(self.store_options)
         check_on_lost(self.on_lost, "leases_on_lost")

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Iterable
 from typing import Any
 
+from celery.app.defaults import DEFAULTS
+
 from celery_leases.settings import LeaseSettings
 
-__all__ = ["SETTINGS", "misspelled_settings", "misspelled_task_attributes"]
+__all__ = ["SETTINGS", "as_spelled", "misspelled_settings", "misspelled_task_attributes"]
 
 #: settings read outside :class:`LeaseSettings` (the metrics server, the
 #: broker's consumer timeout, keeping leased messages invisible on the broker)
@@ -49,6 +52,12 @@ def _looks_like_ours(name: str) -> bool:
     return name.lower().startswith(("lease_", "leases_"))
 
 
+def _nearly_ours(name: str) -> bool:
+    """A key whose first word is ``leases`` or close to it (``leasses_ttl``, ``lease_ttl``)."""
+    head, underscore, _ = name.lower().partition("_")
+    return bool(underscore) and difflib.SequenceMatcher(None, head, "leases").ratio() >= 0.8
+
+
 def _setting_name(key: str, prefix: str) -> tuple[str, str]:
     """The ``leases_*`` name a key of ``app.conf`` stands for, and the namespace before it.
 
@@ -60,6 +69,38 @@ def _setting_name(key: str, prefix: str) -> tuple[str, str]:
     return key, ""
 
 
+def _namespace(conf: Any) -> tuple[str, set[str]]:
+    """The namespace of ``conf`` (``"CELERY_"`` for a Django project's) and its keys."""
+    keys = {str(k) for k in conf.keys()}  # noqa: SIM118 - Celery's conf is no dict
+    # read after the keys: until then app.conf is a stand-in that answers
+    # every attribute as a setting (None for "prefix")
+    return str(getattr(conf, "prefix", None) or ""), keys
+
+
+#: the names of Celery's settings and of celery-leases', as messages name them
+_SETTING_NAMES = re.compile(
+    r"\b(?:"
+    + "|".join(sorted(map(re.escape, {*DEFAULTS, *SETTINGS}), key=len, reverse=True))
+    + r")\b"
+)
+
+
+def as_spelled(message: str, conf: Any) -> str:
+    """``message`` with every setting it names spelled as ``conf`` reads it.
+
+    Under ``config_from_object(..., namespace="CELERY")`` (a Django
+    project), ``leases_ttl`` is written ``CELERY_LEASES_TTL`` and
+    ``broker_transport_options`` is ``CELERY_BROKER_TRANSPORT_OPTIONS``;
+    without a namespace the message is returned as it is.
+    """
+    prefix, _ = _namespace(conf)
+    if not prefix:
+        return message
+    return _SETTING_NAMES.sub(
+        lambda found: prefix + (found[0].upper() if prefix.isupper() else found[0]), message
+    )
+
+
 def misspelled_settings(conf: Any) -> list[str]:
     """Warnings for ``lease``-prefixed keys of ``conf`` that no setting reads.
 
@@ -67,17 +108,16 @@ def misspelled_settings(conf: Any) -> list[str]:
     ``namespace="CELERY"``) are judged by the name after it, and the
     suggestion keeps their form (``CELERY_LEASES_TTL``).
     """
-    keys = sorted({str(k) for k in conf.keys()})  # noqa: SIM118 - Celery's conf is no dict
-    # read after the keys: until then app.conf is a stand-in that answers
-    # every attribute as a setting (None for "prefix")
-    prefix = str(getattr(conf, "prefix", None) or "")
+    prefix, keys = _namespace(conf)
     found = []
-    for key in keys:
+    for key in sorted(keys):
         name, namespace = _setting_name(key, prefix)
-        if _looks_like_ours(name) and name not in SETTINGS:
+        if (_looks_like_ours(name) or _nearly_ours(name)) and name not in SETTINGS:
+            # a key outside the namespace is not read even when spelled
+            # right: the suggestion puts it in (LEASES_TTL: CELERY_LEASES_TTL)
             found.append(
                 f"the setting {key!r} is not a celery-leases setting and is ignored"
-                f"{_closest(name, SETTINGS, namespace, upper=key.isupper())}"
+                f"{_closest(name, SETTINGS, namespace or prefix, upper=key.isupper())}"
             )
     return found
 

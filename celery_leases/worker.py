@@ -57,7 +57,7 @@ from celery_leases.runtime import (
     settings_for,
 )
 from celery_leases.settings import LeaseSettings, check_defer_max
-from celery_leases.spelling import misspelled_settings, misspelled_task_attributes
+from celery_leases.spelling import as_spelled, misspelled_settings, misspelled_task_attributes
 from celery_leases.stores import open_store
 from celery_leases.task import LeasedTask
 
@@ -166,10 +166,11 @@ class LeasesStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type 
             # the message says what to change; a 40-line traceback through
             # Celery's start would bury it, so it goes to the debug log only
             logger.debug("the lease setup check failed", exc_info=True)
-            logger.error("celery-leases: the worker cannot start: %s", exc)
-            raise WorkerStartRefused(str(exc)) from None
+            message = as_spelled(str(exc), app.conf)
+            logger.error("celery-leases: the worker cannot start: %s", message)
+            raise WorkerStartRefused(message) from None
         for warning in warnings:
-            logger.warning(warning)
+            logger.warning(as_spelled(warning, app.conf))
         if keep_invisible(app):
             enable(app)  # before the pool forks: every pool process inherits it
         _add_to_banner(parent, banner_lines(settings_for(app), metrics_url=metrics_url))

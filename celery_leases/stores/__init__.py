@@ -19,9 +19,12 @@ __all__ = [
     "StoreOpener",
     "is_redis_url",
     "is_sql_url",
+    "INIT_DB",
+    "known_schemes",
     "open_store",
     "register_scheme",
     "scheme_is_known",
+    "table_maker",
 ]
 
 #: opens a store from its URL and the ``open_store`` options
@@ -45,15 +48,21 @@ def is_sql_url(url: str) -> bool:
 
 #: schemes added by integrations (``django://`` by celery_leases.contrib.django)
 _REGISTERED: dict[str, StoreOpener] = {}
+#: how the table of a registered scheme's store is made, by scheme
+_TABLE_MAKERS: dict[str, str] = {}
+#: what makes the table of a SQL store URL
+INIT_DB = "celery leases init-db"
 
 
-def register_scheme(scheme: str, opener: StoreOpener) -> None:
+def register_scheme(scheme: str, opener: StoreOpener, *, table_maker: str = "") -> None:
     """Let :func:`open_store` open ``scheme://`` URLs with ``opener(url, **options)``.
 
     For framework integrations, which live above the core: the core never
     imports them, they register here when their framework starts them.
     Registering a scheme again replaces its opener; a built-in scheme cannot
-    be replaced.
+    be replaced. ``table_maker`` says how the integration makes its store's
+    table (``"manage.py migrate"``), for messages; ``celery leases init-db``
+    refuses such a store.
 
     Raises:
         LeaseConfigurationError: ``scheme`` is a built-in one or not a plain name.
@@ -65,12 +74,26 @@ def register_scheme(scheme: str, opener: StoreOpener) -> None:
             f"and not one of {sorted(builtin)}"
         )
     _REGISTERED[scheme.lower()] = opener
+    _TABLE_MAKERS[scheme.lower()] = table_maker
+
+
+def known_schemes() -> list[str]:
+    """The schemes :func:`open_store` can open now (built in and registered), sorted."""
+    return sorted({"memory", *_REDIS_SCHEMES, *_CLUSTER_SCHEMES, *_SQL_SCHEMES, *_REGISTERED})
 
 
 def scheme_is_known(url: str) -> bool:
     """Whether :func:`open_store` can open ``url``'s scheme now (built in or registered)."""
-    known = {"memory", *_REDIS_SCHEMES, *_CLUSTER_SCHEMES, *_SQL_SCHEMES, *_REGISTERED}
-    return url_scheme(url) in known
+    return url_scheme(url) in known_schemes()
+
+
+def table_maker(url: str) -> str:
+    """What makes the table of ``url``'s store: :data:`INIT_DB` for a SQL
+    URL, the registering integration's way for its scheme, ``""`` for a
+    store without a table."""
+    if is_sql_url(url):
+        return INIT_DB
+    return _TABLE_MAKERS.get(url_scheme(url), "")
 
 
 def _missing(extra: str, exc: ImportError) -> LeaseConfigurationError:

@@ -1,23 +1,21 @@
 """The fenced writes of the fencing guide, as leased tasks that the tests run.
 
 The app and its targets come from environment variables (the tests set
-them): ``FENCING_DB`` (a SQLAlchemy URL; the lease store lives there too),
-``FENCING_REDIS`` (a Redis URL) and ``FENCING_SERVICE`` (the base URL of
-``fenced_service.py``). The tasks are ``shared=False``: the tests load this
-module next to other apps, which must not receive these tasks.
+them): ``FENCING_DB`` (a SQLAlchemy URL; the lease store lives there too)
+and ``FENCING_REDIS`` (a Redis URL). The tasks are ``shared=False``: the
+tests load this module next to other apps, which must not receive these
+tasks. The HTTP task is a module of its own, ``fenced_http_task.py``.
 """
 
 from __future__ import annotations
 
 import os
 
-import httpx
 import redis
 import sqlalchemy as sa
 from celery import Celery
 
 from celery_leases import LeasedTask, open_store
-from celery_leases.fencing.http import FencingAuth, fencing_headers
 from celery_leases.fencing.redis import RedisFence
 from celery_leases.fencing.sql import (
     create_fence_table,
@@ -55,7 +53,6 @@ app = Celery("fencing", broker="memory://", backend="cache+memory://")
 app.conf.leases_store = DB_URL
 store = open_store(DB_URL)  # the same database as the tables: fenced_transaction
 redis_client = redis.Redis.from_url(os.environ.get("FENCING_REDIS", "redis://localhost:6379/0"))
-SERVICE = os.environ.get("FENCING_SERVICE", "http://127.0.0.1:8000")
 
 
 # --8<-- [start:fence-table]
@@ -113,16 +110,3 @@ def export_report(self: LeasedTask, report_id: int, body: str) -> None:
 
 
 # --8<-- [end:redis]
-
-
-# --8<-- [start:http]
-@app.task(base=LeasedTask, bind=True, shared=False)
-def publish(self: LeasedTask, name: str, body: str) -> int:
-    response = httpx.put(f"{SERVICE}/values/{name}", content=body, auth=FencingAuth(self.lease))
-    response.raise_for_status()
-    # any other client: send these headers yourself
-    assert fencing_headers(self.lease)["Idempotency-Key"] == self.lease.idempotency_key
-    return response.status_code
-
-
-# --8<-- [end:http]

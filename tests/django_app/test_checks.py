@@ -94,6 +94,11 @@ def test_check_with_a_database_reports_a_visibility_timeout_below_the_ttl() -> N
         output = check("--database", "default")
     assert "celery_leases.W001" in output
     assert "visibility_timeout (1 s) is shorter than the lease ttl" in output
+    # the settings named as the project writes them
+    assert "set CELERY_LEASES_BROKER_KEEP_INVISIBLE = True" in output, output
+    assert "raise CELERY_BROKER_TRANSPORT_OPTIONS['visibility_timeout']" in output, output
+    for celery_key in ("broker_transport_options", "leases_broker_keep_invisible"):
+        assert celery_key not in output, output
 
 
 @pytest.mark.django_db(transaction=True)

@@ -24,6 +24,7 @@ PAGES = [
     *sorted((ROOT / "docs").rglob("*.md")),
     ROOT / "README.md",
     ROOT / "example_project" / "README.md",
+    ROOT / "bench" / "README.md",  # the benchmarks page includes it
 ]
 FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
@@ -122,3 +123,24 @@ def test_a_standalone_block_parses_and_defines_every_name_it_uses(
 def test_a_shell_block_names_only_files_that_exist(block: Block) -> None:
     for path in re.findall(r"(?:scripts|example_project|docs|tests|bench)/[\w./-]*\w", block.body):
         assert (ROOT / path).exists(), f"{block}: {path} does not exist"
+
+
+#: a benchmark command of the docs: the script and the rest of the line
+BENCH_COMMAND = re.compile(r"^\$ \.venv/bin/python (?P<script>bench/\w+\.py)(?P<rest>.*)$", re.M)
+
+
+def test_every_benchmark_command_runs_from_a_checkout_with_the_options_it_shows() -> None:
+    commands: dict[str, set[str]] = {}
+    for block in SHELL:
+        for match in BENCH_COMMAND.finditer(block.body):
+            shown = re.findall(r"(?<!\S)(--[\w-]+|-\w)\b", match["rest"].split("#")[0])
+            commands.setdefault(match["script"], set()).update(shown)
+    assert len(commands) >= 10, sorted(commands)  # every script of bench/README.md
+    for script, options in sorted(commands.items()):
+        helped = subprocess.run(
+            [sys.executable, script, "--help"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert helped.returncode == 0, f"{script}: {helped.stderr}"
+        missing = sorted(o for o in options if o not in helped.stdout)
+        assert not missing, f"{script} --help has no {missing}"

@@ -1,6 +1,5 @@
 """The tasks of docs/examples/fencing_tasks.py, which the fencing guide shows,
-run in a worker of this process on SQLite, a real Redis and the example's
-HTTP service."""
+run in a worker of this process on SQLite and a real Redis."""
 
 from __future__ import annotations
 
@@ -25,30 +24,19 @@ WAIT = 30.0
 
 
 def load(name: str) -> ModuleType:
+    """A module of docs/examples, loaded from its file."""
     return load_file(name, EXAMPLES / f"{name}.py")
-
-
-@pytest.fixture(scope="module")
-def service() -> Iterator[tuple[Any, str]]:
-    example = load("fenced_service")
-    app = example.ValueService()
-    server, _ = example.serve_in_thread(app)
-    yield app, f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.fixture(scope="module")
 def example(
     tmp_path_factory: pytest.TempPathFactory,
     redis_server: RedisServer,
-    service: tuple[Any, str],
 ) -> Iterator[ModuleType]:
     with pytest.MonkeyPatch.context() as patch:
         db = tmp_path_factory.mktemp("fencing") / "app.db"
         patch.setenv("FENCING_DB", f"sqlite:///{db}")
         patch.setenv("FENCING_REDIS", redis_server.url)
-        patch.setenv("FENCING_SERVICE", service[1])
         module = load("fencing_tasks")
     yield module
     module.store.close()
@@ -124,12 +112,3 @@ def test_redis_fence_writes_the_key_and_its_fence(
     accepted = example.fence.accepted("report:5")
     assert accepted is not None
     assert accepted.generation == record.generation
-
-
-@pytest.mark.usefixtures("leases_worker")
-def test_http_write_carries_the_fencing_headers(
-    example: ModuleType, service: tuple[Any, str]
-) -> None:
-    result = example.publish.delay("greeting", "hello")
-    assert result.get(timeout=WAIT) == 200
-    assert service[0].values["greeting"] == b"hello"

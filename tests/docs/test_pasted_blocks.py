@@ -82,6 +82,45 @@ def test_the_tutorials_blocks_pasted_in_order_make_its_complete_files() -> None:
         assert _code(text) == _code((DOCS / "examples" / "tutorial" / name).read_text()), name
 
 
+def test_the_django_pages_settings_run_in_a_startproject_settings_file(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [sys.executable, "-m", "django", "startproject", "proj", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    settings = tmp_path / "proj" / "settings.py"
+    pasted = _pasted(DOCS / "django.md")["settings.py"]
+    assert "DATABASES" in pasted
+    settings.write_text(f"{settings.read_text()}\n{pasted}")
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import proj.settings"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+
+
+def test_the_django_pages_redis_broker_settings_are_read_as_written() -> None:
+    from celery import Celery
+
+    from celery_leases.broker_checks import keep_invisible
+    from celery_leases.spelling import misspelled_settings
+
+    (block,) = [
+        b
+        for b in PYTHON
+        if b.page.name == "django.md" and "CELERY_LEASES_BROKER_KEEP_INVISIBLE" in b.body
+    ]
+    settings: dict[str, object] = {}
+    exec(block.body, settings)  # noqa: S102 - the page's own block
+    app = Celery("project", set_as_current=False)
+    app.config_from_object({k: v for k, v in settings.items() if k.isupper()}, namespace="CELERY")
+    assert app.conf.broker_url.startswith("redis://")
+    assert app.conf.broker_transport_options["visibility_timeout"] < 3600  # below kombu's hour
+    assert keep_invisible(app)
+    assert misspelled_settings(app.conf) == []
+    assert "howto/worker.md#keep-a-running-message-invisible" in block.page.read_text()
+
+
 def _pytest(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder), *args],

@@ -24,13 +24,15 @@ from tests.servers import MariadbServer, PostgresServer
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 10)
 
 #: on PostgreSQL and MariaDB, the tests whose outcome depends on the database: the
-#: tables, the fenced statements and the real workers (settings, checks and
-#: the pytest plugin do not change with it)
+#: tables, the fenced statements, the real workers, and the first contact (the
+#: check before and after migrate); the other checks and the pytest plugin do
+#: not change with it
 POSTGRES_TESTS = [
     DJANGO_APP / "test_schema.py",
     DJANGO_APP / "test_orm_fencing.py",
     DJANGO_APP / "test_workers.py",
     DJANGO_APP / "test_exactly_once.py",
+    DJANGO_APP / "test_first_contact.py",
 ]
 
 

@@ -24,9 +24,18 @@ from celery_leases.stores import register_scheme
 from celery_leases.stores.sql import SqlStore
 from celery_leases.urls import url_scheme
 
-__all__ = ["SCHEME", "connection_arguments", "open_django_store", "register"]
+__all__ = [
+    "MIGRATE",
+    "SCHEME",
+    "connection_arguments",
+    "database_alias",
+    "open_django_store",
+    "register",
+]
 
 SCHEME = "django"
+#: what makes the lease table of a django:// store: the app's migration
+MIGRATE = "manage.py migrate"
 
 #: Django's database engines and the SQLAlchemy drivers the store uses
 _DRIVERS = {
@@ -45,7 +54,13 @@ _READING_ONLY = {
 }
 
 
-def _alias(url: str) -> str:
+def database_alias(url: str) -> str:
+    """The ``DATABASES`` alias a ``django://<alias>`` URL names (``default`` when none).
+
+    Raises:
+        LeaseConfigurationError: ``url`` is not such a URL, or the alias is
+            not in ``DATABASES``.
+    """
     if url_scheme(url) != SCHEME:
         raise LeaseConfigurationError(f"{url!r} is not a django://<alias> URL")
     alias = url.split("://", 1)[1].strip("/") or "default"
@@ -122,11 +137,11 @@ def open_django_store(url: str, **options: Any) -> SqlStore:
         LeaseConfigurationError: see :func:`connection_arguments`.
     """
     options.setdefault("create_table", False)
-    target, arguments = connection_arguments(_alias(url))
+    target, arguments = connection_arguments(database_alias(url))
     connect_args = {**arguments, **options.pop("connect_args", {})}
     return SqlStore.from_url(target.render_as_string(), connect_args=connect_args, **options)
 
 
 def register() -> None:
     """Let ``open_store`` open ``django://`` URLs; called when Django starts the app."""
-    register_scheme(SCHEME, open_django_store)
+    register_scheme(SCHEME, open_django_store, table_maker=MIGRATE)

@@ -58,15 +58,18 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
-        "NAME": DATA / "db.sqlite3",
+        "NAME": BASE_DIR / "db.sqlite3",
         # a worker and the web process write the same file: wait for the
         # write lock, and take it when a transaction begins
         "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
         # tests need a file too: a worker cannot share an in-memory database
-        "TEST": {"NAME": DATA / "test.sqlite3"},
+        "TEST": {"NAME": BASE_DIR / "test.sqlite3"},
     }
 }
 # --8<-- [end:database]
+# the data files are in SHOP_DATA (the tests keep each run's apart)
+DATABASES["default"]["NAME"] = DATA / "db.sqlite3"
+DATABASES["default"]["TEST"]["NAME"] = DATA / "test.sqlite3"
 if os.environ.get("SHOP_POSTGRES"):
     url = urlsplit(os.environ["SHOP_POSTGRES"])
     DATABASES["default"] = {
@@ -78,6 +81,8 @@ if os.environ.get("SHOP_POSTGRES"):
         "PORT": str(url.port or ""),
     }
 # --8<-- [start:mysql]
+import os  # noqa: E402 - imported above too: this part is shown alone
+
 if os.environ.get("SHOP_MYSQL"):
     # Django's MySQL backend imports MySQLdb (mysqlclient, a C extension);
     # PyMySQL stands in for it. PyMySQL answers Django's mysqlclient version
@@ -103,7 +108,7 @@ if os.environ.get("SHOP_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["SHOP_DB_NAME"]
 
 # --8<-- [start:celery]
-BROKER_FOLDER = DATA / "broker"
+BROKER_FOLDER = BASE_DIR / "broker"
 CELERY_BROKER_URL = "filesystem://"
 # kombu's filesystem transport, writing each message file whole before a
 # worker can take it (kombu's own can hand out a file still being written),
@@ -119,10 +124,15 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 }
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False  # the filesystem broker has no fan-out
 CELERY_TASK_ACKS_LATE = True
-CELERY_RESULT_BACKEND = f"db+sqlite:///{DATA / 'results.sqlite3'}"
+CELERY_RESULT_BACKEND = f"db+sqlite:///{BASE_DIR / 'results.sqlite3'}"
 
 CELERY_LEASES_STORE = "django://default"  # the lease table of the migration
 CELERY_LEASES_TTL = 3  # renewed every second while a task runs
 # --8<-- [end:celery]
+BROKER_FOLDER = DATA / "broker"
+for option in ("data_folder_in", "data_folder_out", "processed_folder", "control_folder"):
+    folder = Path(CELERY_BROKER_TRANSPORT_OPTIONS[option]).name
+    CELERY_BROKER_TRANSPORT_OPTIONS[option] = str(BROKER_FOLDER / folder)
+CELERY_RESULT_BACKEND = f"db+sqlite:///{DATA / 'results.sqlite3'}"
 for folder in ("messages", "processed", "control"):
     (BROKER_FOLDER / folder).mkdir(parents=True, exist_ok=True)
