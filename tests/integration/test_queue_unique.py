@@ -317,3 +317,22 @@ def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
         assert third.get(timeout=WAIT) == "second"
         assert store.queued("report-7") is None
     assert recorder.of("ran") == ["first", "second"]
+
+
+def test_a_revoked_message_discarded_by_the_worker_takes_its_mark_away(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+    report = unique_task(app, recorder)
+    store = store_for(app)
+    with worker(app):
+        # the worker holds the message until its countdown ends
+        queued = report.apply_async((7,), countdown=2)
+        assert report.delay(7).id == queued.id
+        app.control.revoke(queued.id)
+        wait_for(lambda: store.queued("report-7") is None)
+        assert queued.state == "REVOKED"
+        again = report.delay(7)
+        assert again.lease_coalesced is False
+        assert again.get(timeout=WAIT) == "report 7 "
+    assert [task_id for task_id, _ in recorder.of("ran")] == [again.id]
