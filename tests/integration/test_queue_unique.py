@@ -43,6 +43,7 @@ def unique_task(app: Celery, recorder: Recorder | None = None, **options: Any) -
     @app.task(
         **{
             "base": LeasedTask,
+            "shared": False,
             "bind": True,
             "name": f"{app.main}.report",
             "lease_key": KEY,
@@ -143,7 +144,13 @@ def test_a_queue_unique_task_without_a_lease_key_is_refused_at_send(
 ) -> None:
     app = make_app()
 
-    @app.task(base=LeasedTask, bind=True, name=f"{app.main}.keyless", lease_queue_unique=True)
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name=f"{app.main}.keyless",
+        lease_queue_unique=True,
+    )
     def keyless(self: Any) -> None:
         pass
 
@@ -159,7 +166,12 @@ def test_a_bad_lease_queue_unique_is_refused_at_send(
     app = make_app()
 
     @app.task(
-        base=LeasedTask, bind=True, name=f"{app.main}.bad", lease_key="k", lease_queue_unique=value
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name=f"{app.main}.bad",
+        lease_key="k",
+        lease_queue_unique=value,
     )
     def bad(self: Any) -> None:
         pass
@@ -192,7 +204,7 @@ def test_a_send_carries_the_key_of_its_mark_in_a_header(
     app = make_app()
 
     @app.task(
-        base=LeasedTask, bind=True, name=f"{app.main}.header", lease_key=KEY,
+        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.header", lease_key=KEY,
         lease_queue_unique=True,
     )  # fmt: skip
     def report(self: Any, user_id: int) -> Any:
@@ -289,7 +301,7 @@ def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
     release = threading.Event()
 
     @app.task(
-        base=LeasedTask, bind=True, name=f"{app.main}.slow", lease_key=KEY,
+        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.slow", lease_key=KEY,
         lease_queue_unique=True,
     )  # fmt: skip
     def slow(self: Any, user_id: int, note: str) -> str:
