@@ -14,14 +14,15 @@ task's bound.
 
 Timeline of two senders and a worker::
 
-    sender A              store                   sender B          worker
-    mark(k, a) ------->   mark k: a
+    sender A                  store                 sender B          worker
+    mark(k, a, 60 s) ----->   mark k: a
     publish a
-                          <-------------------  mark(k, b): a
+    mark(k, a, bound) ---->   mark k: a, longer
+                              <-----------------  mark(k, b, 60 s): a
                                                   AsyncResult(a), coalesced
-                          <-------------------------------------  claim k (a)
-                          <-------------------------------------  unmark(k, a)
-    mark(k, c) ------->   mark k: c (publishes c)
+                              <-----------------------------------  claim k (a)
+                              <-----------------------------------  unmark(k, a)
+    mark(k, c, 60 s) ----->   mark k: c (publishes c)
 
 What publishes without a mark: a send that names its task id (a retry,
 ``replace()``, the library's own deferred copies, a frozen signature such

@@ -47,6 +47,7 @@ from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.green_pools import check_green_on_lost, check_green_store, green_pool
 from celery_leases.metrics import install_metrics, serve_metrics
 from celery_leases.pool_sizing import most_tasks, size_task_pool
+from celery_leases.queue_unique import queued_for
 from celery_leases.redact import mask, secrets_of
 from celery_leases.runtime import (
     add_bind_hook,
@@ -314,6 +315,7 @@ def _check_task(
     task.lease_takeover_limit()
     if task.lease_defer_max is not None:
         check_defer_max(task.lease_defer_max, f"{task.name}.lease_defer_max")
+    queued_for(task)  # lease_queue_unique: a bound, and a lease_key to mark
     key = type(task).lease_key
     if key is not None and not isinstance(key, str) and not callable(key):
         raise LeaseConfigurationError(

@@ -312,6 +312,12 @@ def test_init_db_creates_the_sql_table(
     assert result.returncode == 0, result.stderr
     assert f"lease table 'init_{unique}' is ready" in result.stdout
     assert cli.json("init-db")["table"] == f"init_{unique}"
+    # and the table of lease_queue_unique's marks beside it
+    engine = sa.create_engine(sql_server.url)
+    try:
+        assert sa.inspect(engine).has_table(f"init_{unique}_queued")
+    finally:
+        engine.dispose()
     assert cli("init-db").returncode == 0  # again: nothing to do
     assert cli.json("ls")["total"] == 0
     assert cli("ls").stdout == "no lease records\n"

@@ -43,6 +43,7 @@ def unique_task(app: Celery, recorder: Recorder | None = None, **options: Any) -
     @app.task(
         **{
             "base": LeasedTask,
+            "shared": False,
             "bind": True,
             "name": f"{app.main}.report",
             "lease_key": KEY,
@@ -143,7 +144,13 @@ def test_a_queue_unique_task_without_a_lease_key_is_refused_at_send(
 ) -> None:
     app = make_app()
 
-    @app.task(base=LeasedTask, bind=True, name=f"{app.main}.keyless", lease_queue_unique=True)
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name=f"{app.main}.keyless",
+        lease_queue_unique=True,
+    )
     def keyless(self: Any) -> None:
         pass
 
@@ -159,7 +166,12 @@ def test_a_bad_lease_queue_unique_is_refused_at_send(
     app = make_app()
 
     @app.task(
-        base=LeasedTask, bind=True, name=f"{app.main}.bad", lease_key="k", lease_queue_unique=value
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name=f"{app.main}.bad",
+        lease_key="k",
+        lease_queue_unique=value,
     )
     def bad(self: Any) -> None:
         pass
@@ -192,7 +204,7 @@ def test_a_send_carries_the_key_of_its_mark_in_a_header(
     app = make_app()
 
     @app.task(
-        base=LeasedTask, bind=True, name=f"{app.main}.header", lease_key=KEY,
+        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.header", lease_key=KEY,
         lease_queue_unique=True,
     )  # fmt: skip
     def report(self: Any, user_id: int) -> Any:
@@ -289,7 +301,7 @@ def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
     release = threading.Event()
 
     @app.task(
-        base=LeasedTask, bind=True, name=f"{app.main}.slow", lease_key=KEY,
+        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.slow", lease_key=KEY,
         lease_queue_unique=True,
     )  # fmt: skip
     def slow(self: Any, user_id: int, note: str) -> str:
@@ -317,3 +329,22 @@ def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
         assert third.get(timeout=WAIT) == "second"
         assert store.queued("report-7") is None
     assert recorder.of("ran") == ["first", "second"]
+
+
+def test_a_revoked_message_discarded_by_the_worker_takes_its_mark_away(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    app = make_app()
+    report = unique_task(app, recorder)
+    store = store_for(app)
+    with worker(app):
+        # the worker holds the message until its countdown ends
+        queued = report.apply_async((7,), countdown=2)
+        assert report.delay(7).id == queued.id
+        app.control.revoke(queued.id)
+        wait_for(lambda: store.queued("report-7") is None)
+        assert queued.state == "REVOKED"
+        again = report.delay(7)
+        assert again.lease_coalesced is False
+        assert again.get(timeout=WAIT) == "report 7 "
+    assert [task_id for task_id, _ in recorder.of("ran")] == [again.id]

@@ -41,7 +41,7 @@ def sender(
     )
 
     @app.task(
-        base=LeasedTask, bind=True, name="race.report", lease_key="report-{key}",
+        base=LeasedTask, bind=True, shared=False, name="race.report", lease_key="report-{key}",
         lease_queue_unique=True,
     )  # fmt: skip
     def report(self: Any, key: str) -> None:

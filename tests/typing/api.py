@@ -14,7 +14,9 @@ from celery_leases import (
     LeaseLost,
     LeaseSettings,
     LeaseSkipped,
+    LeaseStore,
     LeaseTiming,
+    QueuedMark,
     TakeoverLimitExceeded,
     install,
 )
@@ -46,6 +48,8 @@ class Careful(LeasedTask):
     lease_on_lost = "flag"
     lease_on_busy = "skip"
     lease_max_takeovers = 3
+    lease_key = "careful:{0}"
+    lease_queue_unique = 900.0
 
     def on_lease_lost(self, lease: Lease) -> None:
         reason: str | None = lease.lost_reason
@@ -86,3 +90,10 @@ def bill(task: LeasedTask, engine: sa.Engine, session: Session) -> dict[str, int
         amount: int = tx.complete(42)
     with exactly_once(task, session) as tx:
         return tx.complete({"amount": amount})
+
+
+def queued(store: LeaseStore) -> str | None:
+    mark: QueuedMark = store.mark_queued("report:7", "task-id", 600.0)
+    taken: bool = store.unmark_queued("report:7", mark.task_id)
+    now: QueuedMark | None = store.queued("report:7")
+    return None if now is None or taken else now.task_id

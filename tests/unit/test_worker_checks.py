@@ -106,6 +106,40 @@ def test_a_task_with_a_bad_defer_max_stops_the_worker(app: Celery, value: object
         check_app(app, pool="prefork")
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lease_key": "k", "lease_queue_unique": 0}, r"queued\.lease_queue_unique must be"),
+        ({"lease_key": "k", "lease_queue_unique": "yes"}, r"queued\.lease_queue_unique must be"),
+        ({"lease_key": "k", "lease_queue_unique": 86401}, r"queued\.lease_queue_unique must be"),
+        ({"lease_queue_unique": True}, "sets lease_queue_unique but no lease_key"),
+    ],
+)
+def test_a_task_with_a_bad_lease_queue_unique_stops_the_worker(
+    app: Celery, options: dict[str, object], message: str
+) -> None:
+    app.conf.leases_store = "memory://"
+
+    @app.task(shared=False, base=LeasedTask, bind=True, **options)
+    def queued(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    with pytest.raises(LeaseConfigurationError, match=message):
+        check_app(app, pool="prefork")
+
+
+def test_a_task_with_a_good_lease_queue_unique_starts(app: Celery) -> None:
+    app.conf.leases_store = "memory://"
+
+    @app.task(shared=False, base=LeasedTask, bind=True, lease_key="k", lease_queue_unique=600)
+    def queued(self: LeasedTask) -> None:
+        pass
+
+    app.finalize()
+    assert not [w for w in check_app(app, pool="prefork") if "queue" in w]
+
+
 def test_a_task_with_a_good_defer_max_starts(app: Celery) -> None:
     app.conf.leases_store = "memory://"
 

@@ -128,6 +128,10 @@ class SqlStore(SqlRecords, LeaseStore):
         with store_waits(self.timeout):
             if make_table:
                 create_table(engine, table_name)
+                try:
+                    self._queued_marks.exists(engine, create=True)
+                except DRIVER_ERRORS as error:
+                    raise store_error(error, *self._where, "create_queued_table") from error
             else:
                 check_table(engine, self.table)
 
