@@ -47,7 +47,7 @@ from celery_leases.errors import LeaseConfigurationError, LeaseError
 from celery_leases.lease import Lease
 from celery_leases.runtime import store_for
 from celery_leases.settings import check_queue_unique
-from celery_leases.signals import lease_claimed
+from celery_leases.signals import lease_claimed, lease_skipped
 from celery_leases.stores.checks import MAX_TTL
 
 __all__ = ["COALESCED_ATTRIBUTE", "PUBLISH_WINDOW", "QUEUED_HEADER", "queued_for", "send_unique"]
@@ -208,6 +208,16 @@ def _on_claimed(sender: Any = None, lease: Lease | None = None, **_: Any) -> Non
         _take_back(lease.store, key, lease.task_id, "its run claimed the lease")
 
 
+def _on_skipped(sender: Any = None, job_id: str = "", task_id: str = "", **_: Any) -> None:
+    # a skipped message (lease_on_busy="skip", or a copy of a completed
+    # job) never runs: the next send of its key must publish again
+    if sender is None or not task_id:
+        return
+    key = _queued_key(sender.request)
+    if key and key == job_id:
+        _take_back(store_for(sender.app), key, task_id, "its call was skipped")
+
+
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # a revoked or expired message is discarded: it will never claim
     key = _queued_key(request)
@@ -222,4 +232,5 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 lease_claimed.connect(_on_claimed, weak=False, dispatch_uid="celery_leases.queue_unique.claimed")
+lease_skipped.connect(_on_skipped, weak=False, dispatch_uid="celery_leases.queue_unique.skipped")
 task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_leases.queue_unique.revoked")

@@ -20,7 +20,7 @@ import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from celery_leases import LeaseConfigurationError, LeasedTask
+from celery_leases import LeaseConfigurationError, LeasedTask, LeaseSkipped
 from celery_leases.queue_unique import QUEUED_HEADER
 from celery_leases.task import store_for
 from tests.integration.conftest import WAIT, Recorder, worker
@@ -329,6 +329,43 @@ def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
         assert third.get(timeout=WAIT) == "second"
         assert store.queued("report-7") is None
     assert recorder.of("ran") == ["first", "second"]
+
+
+def test_a_queued_job_skipped_behind_a_running_one_takes_its_mark_away(
+    make_app: Callable[..., Celery], recorder: Recorder
+) -> None:
+    # "at most one queued and one running": the queued send is skipped, so
+    # its mark must go, or later sends would be answered with the skipped job
+    app = make_app()
+    release = threading.Event()
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.slow", lease_key=KEY,
+        lease_queue_unique=True, lease_on_busy="skip",
+    )  # fmt: skip
+    def slow(self: Any, user_id: int, note: str) -> str:
+        recorder.add("ran", note)
+        if note == "first":
+            assert release.wait(WAIT)
+        return note
+
+    store = store_for(app)
+    with worker(app, pool="threads", concurrency=2):
+        first = slow.delay(7, "first")
+        recorder.wait("ran")
+        second = slow.delay(7, "second")
+        assert second.lease_coalesced is False
+        with pytest.raises(LeaseSkipped):
+            second.get(timeout=WAIT)
+        assert store.queued("report-7") is None
+        third = slow.delay(7, "third")
+        assert third.lease_coalesced is False
+        assert third.id != second.id
+        with pytest.raises(LeaseSkipped):
+            third.get(timeout=WAIT)  # published, and skipped in its turn
+        release.set()
+        assert first.get(timeout=WAIT) == "first"
+    assert recorder.of("ran") == ["first"]
 
 
 def test_a_revoked_message_discarded_by_the_worker_takes_its_mark_away(
