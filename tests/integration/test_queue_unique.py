@@ -59,6 +59,22 @@ def unique_task(app: Celery, recorder: Recorder | None = None, **options: Any) -
     return report
 
 
+def first_waits(app: Celery, recorder: Recorder, release: threading.Event, **options: Any) -> Any:
+    """A queue-unique task whose call with note "first" runs until ``release`` is set."""
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.slow", lease_key=KEY,
+        lease_queue_unique=True, **options,
+    )  # fmt: skip
+    def slow(self: Any, user_id: int, note: str) -> str:
+        recorder.add("ran", note)
+        if note == "first":
+            assert release.wait(WAIT)
+        return note
+
+    return slow
+
+
 def test_a_send_while_one_is_queued_gets_the_queued_job(
     make_app: Callable[..., Celery], redis_server: RedisServer
 ) -> None:
@@ -299,17 +315,7 @@ def test_a_queued_job_deferred_behind_a_running_one_keeps_its_mark(
 ) -> None:
     app = make_app()
     release = threading.Event()
-
-    @app.task(
-        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.slow", lease_key=KEY,
-        lease_queue_unique=True,
-    )  # fmt: skip
-    def slow(self: Any, user_id: int, note: str) -> str:
-        recorder.add("ran", note)
-        if note == "first":
-            assert release.wait(WAIT)
-        return note
-
+    slow = first_waits(app, recorder, release)
     store = store_for(app)
     with worker(app, pool="threads", concurrency=2):
         first = slow.delay(7, "first")
@@ -338,17 +344,7 @@ def test_a_queued_job_skipped_behind_a_running_one_takes_its_mark_away(
     # its mark must go, or later sends would be answered with the skipped job
     app = make_app()
     release = threading.Event()
-
-    @app.task(
-        base=LeasedTask, bind=True, shared=False, name=f"{app.main}.slow", lease_key=KEY,
-        lease_queue_unique=True, lease_on_busy="skip",
-    )  # fmt: skip
-    def slow(self: Any, user_id: int, note: str) -> str:
-        recorder.add("ran", note)
-        if note == "first":
-            assert release.wait(WAIT)
-        return note
-
+    slow = first_waits(app, recorder, release, lease_on_busy="skip")
     store = store_for(app)
     with worker(app, pool="threads", concurrency=2):
         first = slow.delay(7, "first")
