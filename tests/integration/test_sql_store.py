@@ -207,12 +207,33 @@ def test_create_table_function_makes_a_usable_table(sql_url: str, table_name: st
         table = create_table(engine, table_name)
         assert table.name == table_name
         assert sa.inspect(engine).has_table(table_name)
+        assert sa.inspect(engine).has_table(f"{table_name}_queued")  # lease_queue_unique's
         store = SqlStore(engine, table_name=table_name, create_table=False)
         assert isinstance(store.claim("job", A, 10), Acquired)
+        assert store.mark_queued("queued-job", "task-1", 10).task_id == "task-1"
         store.close()
         # the store did not create the engine, so it left it usable
         with engine.connect() as conn:
             assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 1
+    finally:
+        engine.dispose()
+
+
+def test_a_store_never_makes_the_queued_marks_table_a_send_needs(
+    sql_url: str, table_name: str
+) -> None:
+    # the lease table alone (made by hand, or before lease_queue_unique was used)
+    engine = sa.create_engine(sql_url)
+    try:
+        lease_table(sa.MetaData(), table_name).create(engine)
+        store = SqlStore(engine, table_name=table_name, create_table=False)
+        assert store.queued("job") is None
+        with pytest.raises(LeaseConfigurationError, match=f"{table_name}_queued.*init-db"):
+            store.mark_queued("job", "task-1", 10)
+        assert not sa.inspect(engine).has_table(f"{table_name}_queued")
+        store.close()
+        create_table(engine, table_name)  # makes the missing one beside it
+        assert sa.inspect(engine).has_table(f"{table_name}_queued")
     finally:
         engine.dispose()
 

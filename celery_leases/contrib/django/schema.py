@@ -1,4 +1,4 @@
-"""The DDL of the lease and fence tables, as the SQL store and the SQL fences emit it.
+"""The DDL of the lease, queued-mark and fence tables, as the SQL store and the SQL fences emit it.
 
 The migration runs this text instead of Django's own ``CREATE TABLE``, so a
 table made by ``manage.py migrate`` is the table ``SqlStore`` would make
@@ -13,7 +13,13 @@ import sqlalchemy as sa
 
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.fencing.sql import DEFAULT_FENCE_TABLE, fence_table
-from celery_leases.stores.sql import DEFAULT_TABLE_NAME, dialect_named, indexes_in, lease_table
+from celery_leases.stores.sql import (
+    DEFAULT_TABLE_NAME,
+    dialect_named,
+    indexes_in,
+    lease_table,
+    queued_table,
+)
 
 __all__ = ["create_statements", "drop_statements"]
 
@@ -31,7 +37,8 @@ def _dialect(vendor: str) -> Any:
 
 def _tables() -> list[sa.Table]:
     metadata = sa.MetaData()
-    return [lease_table(metadata, DEFAULT_TABLE_NAME), fence_table(metadata, DEFAULT_FENCE_TABLE)]
+    leases = lease_table(metadata, DEFAULT_TABLE_NAME)
+    return [leases, queued_table(metadata, leases), fence_table(metadata, DEFAULT_FENCE_TABLE)]
 
 
 def create_statements(vendor: str) -> list[str]:

@@ -40,6 +40,7 @@ from celery_leases.stores.sql._errors import permanent, reason, refused_for_good
 from celery_leases.stores.sql._indexes import indexes_in
 from celery_leases.stores.sql._operations import CLAIM_ATTEMPTS
 from celery_leases.stores.sql._pool import MAX_OVERFLOW, POOL_SIZE, pool_capacity
+from celery_leases.stores.sql._queued import queued_table
 from celery_leases.stores.sql._sqlite import MIN_SQLITE_VERSION
 from celery_leases.stores.sql._store import DEFAULT_TIMEOUT, SqlStore
 from celery_leases.stores.sql._table import (
@@ -63,6 +64,7 @@ __all__ = [
     "SqlStore",
     "create_table",
     "lease_table",
+    "queued_table",
     "indexes_in",
     "record_of",
     "DEFAULT_TABLE_NAME",

@@ -29,6 +29,7 @@ from celery_leases.stores.sql._errors import FIX, permanent, reason
 from celery_leases.stores.sql._mysql import prepare_mysql_engine
 from celery_leases.stores.sql._pool import Checkouts, pool_capacity
 from celery_leases.stores.sql._postgres import prepare_postgres_engine
+from celery_leases.stores.sql._queued import queued_table
 from celery_leases.stores.sql._sqlite import SQLITE_BUSY_TIMEOUT, prepare_sqlite_engine
 from celery_leases.stores.sql._table import (
     DEFAULT_TABLE_NAME,
@@ -101,9 +102,10 @@ def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> SqlD
 
 
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
-    """Create the lease table and its index unless they exist; safe to race.
+    """Create the lease table and its index, and the table of the queued
+    marks beside it (``<table_name>_queued``), unless they exist; safe to race.
 
-    A table that exists is only looked at, without the DDL lock.
+    Tables that exist are only looked at, without the DDL lock.
 
     Returns:
         The table, bound to a fresh ``MetaData``.
@@ -116,19 +118,21 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
     """
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
+    queued = queued_table(table.metadata, table)
     try:
         with engine.connect() as conn:
             missing = _missing(conn, table)
-        if missing == []:
+            whole = missing == [] and sa.inspect(conn).has_table(queued.name)
+        if whole:
             return table
         # Absent, or seen between another process's CREATE TABLE and its
         # CREATE INDEX: look again under the DDL lock, which that process
-        # holds until its table is whole.
+        # holds until its tables are whole.
         with engine.begin() as conn:
             dialect.lock_for_ddl(conn, table_name)
             try:
                 missing = _missing(conn, table)
-                if missing is None:
+                if not missing:
                     table.metadata.create_all(conn, checkfirst=True)
             finally:
                 dialect.unlock_for_ddl(conn, table_name)

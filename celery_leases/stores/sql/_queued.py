@@ -3,7 +3,7 @@
 The marks live in a table of their own beside the lease table, named after
 it with ``_queued`` (``celery_leases_queued`` by default), one row per key:
 ``job_id``, ``task_id``, ``queued_at`` and ``queued_until`` (milliseconds on
-the database's clock). The store creates it when it first needs it. A row
+the database's clock). It is made with the lease table (``create_table``). A row
 that ran out is taken over by the next mark and otherwise left; it is not
 a lease record, so it never counts for a claim.
 
@@ -110,23 +110,12 @@ class QueuedMarks:
             table.c.task_id == sa.bindparam("p_task_id"),
         )
 
-    def exists(self, engine: Engine, *, create: bool) -> bool:
-        """Whether the table is there; with ``create``, make it first (under
-        the DDL lock, so processes starting at once do not race)."""
-        if self.ready:
-            return True
-        with engine.connect() as conn:
-            self.ready = sa.inspect(conn).has_table(self.table.name)
-        if self.ready or not create:
-            return self.ready
-        with engine.begin() as conn:
-            self.dialect.lock_for_ddl(conn, self.table.name)
-            try:
-                self.table.create(conn, checkfirst=True)
-            finally:
-                self.dialect.unlock_for_ddl(conn, self.table.name)
-        self.ready = True
-        return True
+    def exists(self, engine: Engine) -> bool:
+        """Whether the table is there (made with the lease table: ``create_table``)."""
+        if not self.ready:
+            with engine.connect() as conn:
+                self.ready = sa.inspect(conn).has_table(self.table.name)
+        return self.ready
 
     def mark(
         self, in_write: Callable[..., Any], job_id: str, task_id: str, ttl_ms: int

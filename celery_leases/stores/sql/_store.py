@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import (
     ClaimResult,
     CompleteResult,
@@ -128,10 +129,6 @@ class SqlStore(SqlRecords, LeaseStore):
         with store_waits(self.timeout):
             if make_table:
                 create_table(engine, table_name)
-                try:
-                    self._queued_marks.exists(engine, create=True)
-                except DRIVER_ERRORS as error:
-                    raise store_error(error, *self._where, "create_queued_table") from error
             else:
                 check_table(engine, self.table)
 
@@ -331,7 +328,14 @@ class SqlStore(SqlRecords, LeaseStore):
         marks = self._queued_marks
 
         def work() -> QueuedMark:
-            marks.exists(self.engine, create=True)
+            if not marks.exists(self.engine):
+                raise LeaseConfigurationError(
+                    f"the table of queued marks {marks.table.name!r} is missing in "
+                    f"{self.url}: it is made with the lease table, by "
+                    "`celery leases init-db` (in a Django project: manage.py migrate), or "
+                    "by a store opened with create_table=True",
+                    job_id=job_id,
+                )
             return marks.mark(self._in_write, job_id, task_id, ttl_ms)
 
         # never tried again after a dead connection: the mark may be placed,
@@ -342,7 +346,7 @@ class SqlStore(SqlRecords, LeaseStore):
         marks = self._queued_marks
 
         def work() -> bool:
-            if not marks.exists(self.engine, create=False):
+            if not marks.exists(self.engine):
                 return False
             return self._in_write(marks.unmark, job_id, task_id)
 
@@ -352,7 +356,7 @@ class SqlStore(SqlRecords, LeaseStore):
         marks = self._queued_marks
 
         def work() -> QueuedMark | None:
-            if not marks.exists(self.engine, create=False):
+            if not marks.exists(self.engine):
                 return None
             with self._reader.connect() as conn:
                 return marks.live(conn, job_id)

@@ -1,4 +1,4 @@
-"""The lease table and the fence table, with the DDL of the SQL store."""
+"""The lease table, the queued marks' table and the fence table, with the DDL of the SQL store."""
 
 from __future__ import annotations
 
