@@ -27,7 +27,7 @@ from celery_leases import LeaseState
 from tests.acceptance.app import STEPS
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import REPO_ROOT, wait_until
-from tests.conftest import IN_CI
+from tests.browser import chromium
 from tests.servers import free_port
 
 TTL = 2.0
@@ -124,39 +124,6 @@ def flower(cluster: Cluster, tmp_path: Path) -> Iterator[Flower]:
         # the test's AsyncResults sit in reference cycles and talk to the result
         # backend when collected: collect them while the servers are up
         gc.collect()
-
-
-def find_chromium() -> str:
-    """The path of a Chromium binary; skips the test without one (fails in CI)."""
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    reason = "no Chromium found (bash scripts/test installs the Debian package chromium)"
-    if IN_CI:
-        pytest.fail(f"{reason}; CI=true")
-    pytest.skip(reason)
-
-
-def chromium(url: str, tmp_path: Path, *args: str) -> str:
-    """Run headless Chromium on ``url`` with ``args``; return its stdout."""
-    profile = tmp_path / f"chromium-{len(list(tmp_path.glob('chromium-*')))}"
-    done = subprocess.run(
-        [
-            find_chromium(),
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            f"--user-data-dir={profile}",
-            *args,
-            url,
-        ],
-        capture_output=True,
-        timeout=90,
-        check=True,
-    )
-    return done.stdout.decode(errors="replace")
 
 
 def test_task_page_shows_the_lease_of_a_normal_run(

@@ -9,11 +9,14 @@ next claim. Leases are never added, edited or deleted here.
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
@@ -21,7 +24,7 @@ from celery_leases.contrib.django.models import Lease
 from celery_leases.contrib.django.store import SCHEME
 from celery_leases.errors import LeaseError
 from celery_leases.stores import open_store
-from celery_leases.stores.base import ms_to_datetime
+from celery_leases.stores.base import LeaseState, ms_to_datetime
 from celery_leases.stores.checks import REASON_LIMIT
 
 __all__ = ["ForceReleaseForm", "LeaseAdmin"]
@@ -39,19 +42,106 @@ def _operator(request: HttpRequest) -> str:
     return f"{name or 'anonymous'} (django admin)"
 
 
+def _when(ms: int | None) -> str:
+    """A time of the store in milliseconds, as people read it (UTC)."""
+    if ms is None:
+        return "-"
+    return ms_to_datetime(ms).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _date_column(field: str, description: str) -> Callable[[Any, Lease], str]:
+    """A read-only column of a time field of the store (milliseconds), shown as a date."""
+
+    def column(model_admin: Any, lease: Lease) -> str:
+        return _when(getattr(lease, field))
+
+    shown: Callable[[Any, Lease], str] = admin.display(description=description)(column)
+    return shown
+
+
+def _now_ms(lease: Lease) -> int:
+    """The database's clock when the row was read (the ``db_now`` annotation):
+    the clock a ``django://`` store keeps its leases by."""
+    now = lease.db_now
+    if now.tzinfo is None:  # USE_TZ = False: the database's time, in UTC
+        now = now.replace(tzinfo=datetime.timezone.utc)
+    return int(now.timestamp() * 1000)
+
+
 @admin.register(Lease)
 class LeaseAdmin(admin.ModelAdmin):
     """Leases: list, filter by state and task, search by job id or task id; force release."""
 
-    list_display = ("job_id", "state", "task_name", "generation", "owner", "until")
+    list_display = (
+        "job_id",
+        "state",
+        "task_name",
+        "task_id",
+        "generation",
+        "holder",
+        "until",
+        "expired",
+        "left",
+    )
     list_filter = ("state", "task_name")
     search_fields = ("job_id", "task_id")
     ordering = ("-claimed_at",)
     actions = ("force_release",)
+    #: the detail page: the store's times as dates, the outcome left out (bytes)
+    fields = (
+        "job_id",
+        "state",
+        "task_name",
+        "task_id",
+        "generation",
+        "owner",
+        "until",
+        "expired",
+        "left",
+        "claimed",
+        "renewed",
+        "renew_count",
+        "takeovers",
+        "completed",
+        "send_id",
+        "released",
+        "released_by",
+        "release_reason",
+    )
+    readonly_fields = fields
 
-    @admin.display(description="lease until (UTC)")
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
+        # the database's clock, read with the rows, for "expired" and "left"
+        return super().get_queryset(request).annotate(db_now=Now())
+
+    @admin.display(description="holder")
+    def holder(self, lease: Lease) -> str:
+        """host:pid of the owner (the detail page shows the whole owner)."""
+        return ":".join(lease.owner.split(":")[:2])
+
+    @admin.display(description="lease until (UTC)", ordering="lease_until")
     def until(self, lease: Lease) -> str:
-        return ms_to_datetime(lease.lease_until).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        return _when(lease.lease_until)
+
+    @admin.display(description="expired")
+    def expired(self, lease: Lease) -> str:
+        """ "yes" for a holder past its lease (gone or stalled); empty when not held."""
+        if lease.state != LeaseState.HELD.value:
+            return ""
+        return "no" if lease.record().is_live(_now_ms(lease)) else "yes"
+
+    @admin.display(description="left")
+    def left(self, lease: Lease) -> str:
+        """Seconds until the lease runs out, for a live holder."""
+        now = _now_ms(lease)
+        if not lease.record().is_live(now):
+            return ""
+        return f"{(lease.lease_until - now) / 1000:.1f} s"
+
+    claimed = _date_column("claimed_at", "claimed (UTC)")
+    renewed = _date_column("renewed_at", "renewed (UTC)")
+    completed = _date_column("completed_at", "completed (UTC)")
+    released = _date_column("released_at", "released (UTC)")
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -69,7 +159,18 @@ class LeaseAdmin(admin.ModelAdmin):
         description="Force release (the holder is fenced out)", permissions=["force_release"]
     )
     def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> HttpResponse | None:
-        """Ask for a reason, then release every selected lease through the store."""
+        """Ask for a reason, then release every selected lease through the store;
+        a selection with a completed job is refused before the reason is asked."""
+        completed = [lease for lease in queryset if lease.state == LeaseState.COMPLETED.value]
+        if completed:
+            for lease in completed:
+                self.message_user(
+                    request,
+                    f"job {lease.job_id!r} is completed (generation {lease.generation}); "
+                    "a completed job is not released: select held or released jobs only",
+                    messages.ERROR,
+                )
+            return None
         form = ForceReleaseForm(request.POST if "apply" in request.POST else None)
         if not form.is_valid():
             context = {
