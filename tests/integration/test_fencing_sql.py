@@ -6,6 +6,7 @@ with generation 7 after B wrote with 8, and the target refuses A.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -363,6 +364,30 @@ def claim(store: SqlStore, owner: str, ttl: float = 30.0) -> Token:
 def results(store: SqlStore, table: sa.Table) -> list[str]:
     with store.engine.connect() as conn:
         return [str(v) for v in conn.execute(sa.select(table.c.value)).scalars()]
+
+
+def test_concurrent_fence_table_creation_does_not_fail(sql_url: str, unique: str) -> None:
+    engine = sa.create_engine(sql_url, pool_size=8)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def create() -> None:
+        start.wait()
+        try:
+            create_fence_table(engine, f"fences_race_{unique}")
+        except BaseException as exc:  # report every failure to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == []
+        assert sa.inspect(engine).has_table(f"fences_race_{unique}")
+    finally:
+        engine.dispose()
 
 
 def test_fenced_transaction_commits_while_the_lease_is_current(
