@@ -6,7 +6,6 @@ with generation 7 after B wrote with 8, and the target refuses A.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from celery_leases.fencing.sql import (
 from celery_leases.stores.base import Acquired
 from celery_leases.stores.sql import SqlStore
 from tests.by_path import load_file
+from tests.operations import at_once
 
 A = Token("job-1", 7, owner="worker-a")
 B = Token("job-1", 8, owner="worker-b")
@@ -368,22 +368,9 @@ def results(store: SqlStore, table: sa.Table) -> list[str]:
 
 def test_concurrent_fence_table_creation_does_not_fail(sql_url: str, unique: str) -> None:
     engine = sa.create_engine(sql_url, pool_size=8)
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
-
-    def create() -> None:
-        start.wait()
-        try:
-            create_fence_table(engine, f"fences_race_{unique}")
-        except BaseException as exc:  # report every failure to the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=create) for _ in range(8)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        outcomes = at_once(8, lambda _: create_fence_table(engine, f"fences_race_{unique}"))
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
         assert errors == []
         assert sa.inspect(engine).has_table(f"fences_race_{unique}")
     finally:
