@@ -23,9 +23,9 @@ import os
 import threading
 import time
 import weakref
-from _queue import Empty, SimpleQueue  # the C queue: no monkey-patching reaches it
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from queue import Empty, SimpleQueue
 from typing import Any, Generic, TypeVar
 
 from celery_leases import unpatched
@@ -163,7 +163,7 @@ class _Marker:
 
 @dataclass
 class _ThreadState:
-    queue: SimpleQueue[Any] = field(default_factory=SimpleQueue)
+    queue: SimpleQueue[Any] = field(default_factory=unpatched.simple_queue)
     lock: Any = field(default_factory=unpatched.lock)
     thread: threading.Thread | None = None
     #: jobs queued and not yet taken (markers do not count)

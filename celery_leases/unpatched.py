@@ -22,6 +22,7 @@ Without monkey-patching each of them is the ordinary ``threading`` one.
 from __future__ import annotations
 
 import _thread
+import queue
 import socket
 import sys
 import threading
@@ -38,6 +39,7 @@ __all__ = [
     "in_main_os_thread",
     "lock",
     "rlock",
+    "simple_queue",
     "socket_module",
     "start_thread",
 ]
@@ -91,6 +93,14 @@ _main_ident = get_ident()  # the package is imported in the main thread
 def in_main_os_thread() -> bool:
     """Whether the caller runs in the process's main OS thread (the hub's)."""
     return get_ident() == _main_ident
+
+
+def simple_queue() -> queue.SimpleQueue[Any]:
+    """The C ``queue.SimpleQueue`` as it was before monkey-patching (gevent
+    replaces it with its own, eventlet with the pure-Python one): its ``get``
+    blocks the OS thread, and its ``put`` never switches greenlets."""
+    make: Callable[[], queue.SimpleQueue[Any]] = _original("queue", "SimpleQueue")
+    return make()
 
 
 def socket_module() -> ModuleType:

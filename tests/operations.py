@@ -1,7 +1,9 @@
-"""One call of each store operation that talks to the server, for outage tests."""
+"""One call of each store operation that talks to the server, for outage
+tests; calls made at once from many threads, for races."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from celery_leases import LeaseStore, RenewRequest
@@ -24,3 +26,24 @@ def every_operation(
         "purge": lambda: store.purge(60),
         "now_ms": store.now_ms,
     }
+
+
+def at_once(count: int, call: Callable[[int], object], timeout: float = 60) -> list[object]:
+    """Run ``call(n)`` for n in range(``count``) on as many threads released
+    together; what each returned or raised, in the order they finished."""
+    start = threading.Barrier(count)
+    outcomes: list[object] = []
+
+    def run(n: int) -> None:
+        start.wait()
+        try:
+            outcomes.append(call(n))
+        except BaseException as exc:  # handed to the test
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return outcomes

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.base import Executable
 
@@ -26,7 +27,7 @@ from celery_leases.fencing import (
     stale_token_error,
 )
 from celery_leases.fencing.sql_dialect import insert_for, is_mysql, lock_or_insert, newer
-from celery_leases.stores.sql import key_text
+from celery_leases.stores.sql import dialect_named, key_text
 
 __all__ = [
     "DEFAULT_FENCE_TABLE",
@@ -62,13 +63,27 @@ def fence_table(metadata: sa.MetaData, name: str = DEFAULT_FENCE_TABLE) -> sa.Ta
 
 
 def create_fence_table(engine: Engine, name: str = DEFAULT_FENCE_TABLE) -> sa.Table:
-    """Create the fence table unless it exists.
+    """Create the fence table unless it exists; safe to race.
+
+    Processes creating it at once take turns on the SQL store's DDL lock
+    (PostgreSQL, MySQL); on SQLite, one that finds the table made by another
+    between its look and its ``CREATE TABLE`` looks again.
 
     Returns:
         The table, on a fresh ``MetaData``.
     """
     table = fence_table(sa.MetaData(), name)
-    table.create(engine, checkfirst=True)
+    dialect = dialect_named(engine.dialect.name, "the fence table")
+    try:
+        with engine.begin() as conn:
+            dialect.lock_for_ddl(conn, name)
+            try:
+                table.create(conn, checkfirst=True)
+            finally:
+                dialect.unlock_for_ddl(conn, name)
+    except exc.OperationalError:
+        if not sa.inspect(engine).has_table(name):
+            raise
     return table
 
 

@@ -34,6 +34,7 @@ from celery_leases.fencing.sql import (
 from celery_leases.stores.base import Acquired
 from celery_leases.stores.sql import SqlStore
 from tests.by_path import load_file
+from tests.operations import at_once
 
 A = Token("job-1", 7, owner="worker-a")
 B = Token("job-1", 8, owner="worker-b")
@@ -363,6 +364,17 @@ def claim(store: SqlStore, owner: str, ttl: float = 30.0) -> Token:
 def results(store: SqlStore, table: sa.Table) -> list[str]:
     with store.engine.connect() as conn:
         return [str(v) for v in conn.execute(sa.select(table.c.value)).scalars()]
+
+
+def test_concurrent_fence_table_creation_does_not_fail(sql_url: str, unique: str) -> None:
+    engine = sa.create_engine(sql_url, pool_size=8)
+    try:
+        outcomes = at_once(8, lambda _: create_fence_table(engine, f"fences_race_{unique}"))
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        assert errors == []
+        assert sa.inspect(engine).has_table(f"fences_race_{unique}")
+    finally:
+        engine.dispose()
 
 
 def test_fenced_transaction_commits_while_the_lease_is_current(

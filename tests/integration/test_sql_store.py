@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sqlite3
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -42,7 +41,7 @@ from celery_leases.stores import sql
 from celery_leases.stores.sql import SqlStore, _sqlite, create_table, lease_table
 from celery_leases.stores.sql import _records as sql_records
 from celery_leases.stores.sql._engine import PING_AFTER_IDLE
-from tests.operations import every_operation
+from tests.operations import at_once, every_operation
 from tests.proxy import Proxy
 from tests.servers import MariadbServer, PostgresServer
 
@@ -268,22 +267,9 @@ def test_without_create_table_a_missing_table_is_a_configuration_error(
 
 def test_concurrent_table_creation_does_not_fail(sql_url: str, table_name: str) -> None:
     engine = sa.create_engine(sql_url, pool_size=8)
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
-
-    def create() -> None:
-        start.wait()
-        try:
-            create_table(engine, table_name)
-        except BaseException as exc:  # report every failure to the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=create) for _ in range(8)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        outcomes = at_once(8, lambda _: create_table(engine, table_name))
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
         assert errors == []
         assert sa.inspect(engine).has_table(table_name)
     finally:
@@ -593,24 +579,9 @@ def test_postgres_concurrent_claims_have_one_winner(
     postgres_server: PostgresServer, table_name: str
 ) -> None:
     store = SqlStore.from_url(postgres_server.url, table_name=table_name, pool_size=16)
-    start = threading.Barrier(16)
-    results: list[object] = []
-
-    def claim(owner: str) -> None:
-        start.wait()
-        try:
-            results.append(store.claim("job", owner, 30))
-        except BaseException as exc:  # report every failure to the test
-            results.append(exc)
-
     try:
         for round_ in range(3):
-            results.clear()
-            threads = [threading.Thread(target=claim, args=(f"w{n}",)) for n in range(16)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
+            results = at_once(16, lambda n: store.claim("job", f"w{n}", 30))
             winners = [r for r in results if isinstance(r, Acquired)]
             assert len(winners) == 1, results
             assert all(isinstance(r, (Acquired, HeldElsewhere)) for r in results), results

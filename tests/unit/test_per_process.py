@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -238,3 +240,38 @@ def test_a_forked_child_runs_its_own_jobs_not_the_parents(jobs: JobThread) -> No
         gate.set()
     assert jobs.flush(WAIT)
     assert ran == ["parent"]
+
+
+#: run in a fresh interpreter: the green library patches the process first
+_GREEN_QUEUE_CHECK = """
+import sys
+if sys.argv[1] == "gevent":
+    from gevent import monkey
+    monkey.patch_all()
+else:
+    import eventlet
+    eventlet.monkey_patch()
+import _queue
+import queue
+from celery_leases import per_process, unpatched
+assert unpatched.green_library() == sys.argv[1]
+assert queue.SimpleQueue is not _queue.SimpleQueue, "the library left SimpleQueue alone"
+assert type(unpatched.simple_queue()) is _queue.SimpleQueue
+assert type(per_process._ThreadState().queue) is _queue.SimpleQueue
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("library", ["gevent", "eventlet"])
+def test_the_job_thread_s_queue_is_the_c_one_under_a_green_library(library: str) -> None:
+    """Its ``get`` blocks the OS thread (never the hub), its ``put`` never
+    switches greenlets, whatever the library put in ``queue``."""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _GREEN_QUEUE_CHECK, library],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

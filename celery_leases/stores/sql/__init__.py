@@ -1,11 +1,12 @@
-"""The SQL lease store: PostgreSQL or SQLite through SQLAlchemy Core.
+"""The SQL lease store: PostgreSQL, MySQL/MariaDB or SQLite through SQLAlchemy Core.
 
 One table holds one row per job (see :func:`lease_table`). Every operation
 is one statement that reads the database's clock itself, so a worker's
-clock is never compared with a lease. What differs between the two
-databases (the clock, the upsert, how a JSON batch becomes rows, how
-transactions begin) lives in ``SqlDialect`` (module ``_table``) and nowhere
-else. The package's private modules, each used only here:
+clock is never compared with a lease. What differs between the databases
+(the clock, the upsert, how a JSON batch becomes rows, how transactions
+begin) lives in ``SqlDialect`` (module ``_table``) and nowhere else: the
+fenced SQL targets and the Django app read it too (:func:`dialect_named`).
+The package's private modules, each used only here:
 
 - ``_store``: the store, :class:`SqlStore`;
 - ``_table``: the table and what differs between the databases;

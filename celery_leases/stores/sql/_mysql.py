@@ -35,7 +35,16 @@ __all__ = ["prepare_mysql_engine"]
 
 @functools.cache
 def _bounded_connection_class() -> type[Any]:
-    """A PyMySQL ``Connection`` whose waits for the server end in time."""
+    """A PyMySQL ``Connection`` whose waits for the server end in time.
+
+    PyMySQL has no public API for a limit on one read or write inside a
+    call (``read_timeout`` and ``write_timeout`` are fixed at connect), so
+    this overrides its private ``_read_packet`` (every reply) and
+    ``_write_bytes`` (every request) to set its private ``_read_timeout`` and
+    ``_write_timeout`` first, and closes with the private ``_force_close``
+    (``close()`` would first send a QUIT to a server that may not answer).
+    tests/integration/test_driver_internals.py pins each of them.
+    """
     import pymysql
     from pymysql.connections import MysqlPacket
 

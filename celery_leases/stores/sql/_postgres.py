@@ -41,7 +41,14 @@ __all__ = ["prepare_postgres_engine"]
 
 @functools.cache
 def _bounded_connection_class() -> type[Any]:
-    """A psycopg ``Connection`` whose waits for the server end in time."""
+    """A psycopg ``Connection`` whose waits for the server end in time.
+
+    psycopg has no public API for a limit on one wait for a reply: this
+    overrides ``Connection.wait`` (no underscore, but not in psycopg's
+    documented API), through which every statement's reply comes, with its
+    ``timeout`` (psycopg 3.3.6 and newer) ending the wait with an
+    ``OperationalError``. tests/integration/test_driver_internals.py pins both.
+    """
     import psycopg
 
     class ReplyTimedOut(psycopg.OperationalError):
