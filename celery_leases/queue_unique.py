@@ -17,7 +17,7 @@ Timeline of two senders and a worker::
     sender A                  store                 sender B          worker
     mark(k, a, 60 s) ----->   mark k: a
     publish a
-    mark(k, a, bound) ---->   mark k: a, longer
+    extend(k, a, bound) -->   mark k: a, longer (none if gone)
                               <-----------------  mark(k, b, 60 s): a
                                                   AsyncResult(a), coalesced
                               <-----------------------------------  claim k (a)
@@ -137,9 +137,14 @@ def send_unique(
 
 
 def _mark_longer(store: Any, job_id: str, task_id: str, ttl: float) -> None:
-    """Make the published message's mark last ``ttl`` seconds from now."""
+    """Make the published message's mark last ``ttl`` seconds from now.
+
+    Only a mark still there is extended: the run may have claimed the job
+    and taken the mark away since the publish, and a mark placed anew would
+    send every call for the whole bound to a job that has started.
+    """
     mark = _store_call(
-        lambda: store.mark_queued(job_id, task_id, ttl),
+        lambda: store.extend_queued(job_id, task_id, ttl),
         "could not extend the queued mark of job %r (task %s) after its publish; it runs "
         "out within %.0f s, and a send after that queues another job",
         job_id, task_id, PUBLISH_WINDOW,

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.signals import after_task_publish
 
 from tests.acceptance.app import QUEUE_UNIQUE
 from tests.acceptance.conftest import Cluster
@@ -74,3 +75,39 @@ def test_sends_while_one_is_queued_become_one_message(cluster: Cluster) -> None:
     starts = cluster.side.events(kind="start")
     assert sorted(e["job"] for e in starts) == sorted([first.id, second.id])
     assert cluster.store.queued(f"queued-{key}") is None
+
+
+@pytest.mark.parametrize("lease_store_target", ["redis", "postgres"], indirect=True)
+def test_a_run_that_claims_before_its_sender_marks_again_leaves_no_mark(
+    cluster: Cluster,
+) -> None:
+    """The sender marks for a short while, publishes, then marks again for
+    the full bound; a worker may claim (and take the mark away) in between.
+    The second mark must not place the mark anew: the key would then point
+    at a job that has started for the whole bound, and every send in that
+    time would get its old result."""
+    key = "k2"
+    redis.Redis.from_url(cluster.config.side).set(f"side:gate:{key}", 1)
+    cluster.worker("a")
+    started: list[str] = []
+
+    def wait_for_the_run(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        # in the sender, right after its publish: the run claims and takes
+        # the mark away before the sender marks again
+        task_id = (headers or {}).get("id")
+        if task_id:
+            cluster.side.wait_event(task_id, "start", timeout=WAIT)
+            started.append(task_id)
+
+    after_task_publish.connect(wait_for_the_run, weak=False)
+    try:
+        first = cluster.client.tasks[QUEUE_UNIQUE].delay(key, 1)
+    finally:
+        after_task_publish.disconnect(wait_for_the_run)
+    assert started == [first.id]
+    assert first.lease_coalesced is False
+    assert cluster.store.queued(f"queued-{key}") is None
+    assert first.get(timeout=WAIT) == 1
+    second = cluster.client.tasks[QUEUE_UNIQUE].delay(key, 2)
+    assert second.lease_coalesced is False, "the next send got the finished job"
+    assert second.get(timeout=WAIT) == 2
