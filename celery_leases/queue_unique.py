@@ -7,7 +7,8 @@ and every other gets the queued job's ``AsyncResult`` and publishes
 nothing; that result's ``lease_coalesced`` attribute is ``True``. The run
 that claims the key's lease takes the mark away (right after the claim), so
 the next send publishes again; a revoked or expired message takes it away
-when a worker discards it. A mark that nobody takes away (a lost message, a
+when a worker discards it, and a call skipped under ``lease_on_busy="skip"``
+when it is answered. A mark that nobody takes away (a lost message, a
 sender that died between the mark and the publish) runs out by itself:
 until a message is published its mark lasts :data:`PUBLISH_WINDOW`, then the
 task's bound.
@@ -47,7 +48,7 @@ from celery_leases.errors import LeaseConfigurationError, LeaseError
 from celery_leases.lease import Lease
 from celery_leases.runtime import store_for
 from celery_leases.settings import check_queue_unique
-from celery_leases.signals import lease_claimed
+from celery_leases.signals import lease_claimed, lease_skipped
 from celery_leases.stores.checks import MAX_TTL
 
 __all__ = ["COALESCED_ATTRIBUTE", "PUBLISH_WINDOW", "QUEUED_HEADER", "queued_for", "send_unique"]
@@ -215,16 +216,28 @@ def _on_claimed(sender: Any = None, lease: Lease | None = None, **_: Any) -> Non
 
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # a revoked or expired message is discarded: it will never claim
+    _take_back_ended(sender, request, getattr(request, "id", None), "its message was revoked")
+
+
+def _on_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    # a call skipped under lease_on_busy="skip" is answered: it will never claim
+    request = getattr(sender, "request", None)
+    _take_back_ended(sender, request, task_id, "its call was skipped")
+
+
+def _take_back_ended(sender: Any, request: Any, task_id: str | None, why: str) -> None:
+    """Take the mark of a message that ended without claiming away."""
     key = _queued_key(request)
-    task_id = getattr(request, "id", None)
-    if key and task_id and sender is not None:
-        try:
-            store = store_for(sender.app)
-        except LeaseError as exc:
-            logger.warning("could not open the lease store to unmark job %r: %s", key, exc)
-            return
-        _take_back(store, key, task_id, "its message was revoked")
+    if not key or not task_id or sender is None:
+        return
+    try:
+        store = store_for(sender.app)
+    except LeaseError as exc:
+        logger.warning("could not open the lease store to unmark job %r: %s", key, exc)
+        return
+    _take_back(store, key, task_id, why)
 
 
 lease_claimed.connect(_on_claimed, weak=False, dispatch_uid="celery_leases.queue_unique.claimed")
 task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_leases.queue_unique.revoked")
+lease_skipped.connect(_on_skipped, weak=False, dispatch_uid="celery_leases.queue_unique.skipped")

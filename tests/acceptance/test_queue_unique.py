@@ -13,7 +13,8 @@ import pytest
 import redis
 from celery.signals import after_task_publish
 
-from tests.acceptance.app import QUEUE_UNIQUE
+from celery_leases import LeaseSkipped
+from tests.acceptance.app import BEAT_QUEUED, QUEUE_UNIQUE
 from tests.acceptance.conftest import Cluster
 
 pytestmark = pytest.mark.redis
@@ -111,3 +112,30 @@ def test_a_run_that_claims_before_its_sender_marks_again_leaves_no_mark(
     second = cluster.client.tasks[QUEUE_UNIQUE].delay(key, 2)
     assert second.lease_coalesced is False, "the next send got the finished job"
     assert second.get(timeout=WAIT) == 2
+
+
+def test_a_queued_job_skipped_while_its_key_is_held_takes_its_mark_away(
+    cluster: Cluster,
+) -> None:
+    """Under ``lease_on_busy="skip"`` a queued job can end without claiming:
+    its mark must go with it, or every send until the mark's bound (an hour)
+    would get the skipped job's ``LeaseSkipped`` and nothing would run."""
+    key = "k3"
+    task = cluster.client.tasks[BEAT_QUEUED]
+    cluster.worker("a")
+    cluster.worker("b")
+    holder = task.delay(key, "holder")
+    cluster.side.wait_event(holder.id, "start", timeout=WAIT)  # claimed, its mark gone
+    skipped = task.delay(key, "skipped")
+    assert skipped.lease_coalesced is False
+    with pytest.raises(LeaseSkipped) as raised:
+        skipped.get(timeout=WAIT)
+    raised.value.with_traceback(None)  # its frames would keep the result alive
+    assert cluster.store.queued(f"beat-queued-{key}") is None
+
+    redis.Redis.from_url(cluster.config.side).set(f"side:gate:{key}", 1)
+    assert holder.get(timeout=WAIT) == "holder"
+    after = task.delay(key, "after")
+    assert after.lease_coalesced is False, "the send got the skipped job"
+    assert after.get(timeout=WAIT) == "after"
+    assert cluster.side.events(skipped.id, "start") == []
