@@ -110,3 +110,27 @@ def test_an_eager_call_whose_key_is_held_raises_lease_skipped(
     assert raised.value.job_id == "beat-k"
     assert raised.value.holder == "other-worker:1:abc"
     assert recorder.of("body") == []
+
+
+def test_a_new_send_of_the_holders_own_task_id_waits_instead_of_being_skipped(
+    app: Celery, recorder: Recorder
+) -> None:
+    """A ``retry()`` or ``replace()`` whose release never reached the store
+    (the store's connection dropped), or the same task id sent again, is a
+    new send of the task id that holds the job. Skipped, its ``LeaseSkipped``
+    would be stored as that task id's result, and the retry that should run
+    the job again would be lost; it waits for the lease instead."""
+    beat = _skipping(app, recorder)
+    store = store_for(app)
+    # the state such a retry finds: its own task id holds the job from the
+    # first attempt's send, until that lease runs out
+    holder = uuid.uuid4().hex
+    store.claim("beat-k", "gone-worker:1:abc", 1.5, send_id="first-attempt", task_id=holder)
+    with worker(app):
+        result = beat.apply_async(("k",), task_id=holder)  # a new send id
+        assert result.get(timeout=WAIT) == "ran"
+    assert recorder.of("lease_skipped") == []
+    assert recorder.of("body") == [holder]
+    record = store.get("beat-k")
+    assert record is not None
+    assert (record.state, record.task_id) == (LeaseState.COMPLETED, holder)
