@@ -20,7 +20,8 @@ from celery.result import AsyncResult
 from celery_leases import LeaseSkipped, LeaseState
 from tests.acceptance.app import BEAT
 from tests.acceptance.conftest import Cluster
-from tests.acceptance.harness import Worker
+from tests.acceptance.harness import Worker, wait_until
+from tests.broker_servers import RabbitServer
 
 PERIOD = 2.0
 BODY = 7.0
@@ -125,3 +126,44 @@ def test_a_killed_holder_lets_the_next_call_run_once_its_lease_runs_out(
 def _worker_named(workers: list[Worker], hostname: str) -> Worker:
     [found] = [w for w in workers if hostname.startswith(f"{w.name}@")]
     return found
+
+
+@pytest.mark.parametrize("broker_kind", ["amqp"], indirect=True)
+def test_a_killed_holders_message_given_back_runs_and_a_skipped_call_is_acked_once(
+    cluster: Cluster, rabbit_server: RabbitServer
+) -> None:
+    """RabbitMQ gives a killed worker's unacknowledged message to another
+    worker at once (``acks_late``): the holder's own send, so it waits for
+    the dead holder's lease and takes the job over, never skipped. A call
+    made while it runs is skipped and acknowledged once (a second ack of
+    one delivery would close the channel, PRECONDITION_FAILED, and give
+    every message on it back)."""
+    workers = [cluster.worker("a"), cluster.worker("b"), cluster.worker("c")]
+    holder = cluster.send(BEAT, 6.0)
+    [started] = cluster.side.wait_event(holder.id, "start", timeout=WAIT)
+    _worker_named(workers, started["worker"]).kill()
+
+    first, second = cluster.side.wait_event(holder.id, "start", timeout=WAIT, count=2)
+    assert second["generation"] > first["generation"]  # the same message took over
+    skipped = _answer(cluster.send(BEAT, 0.1))
+    assert isinstance(skipped, LeaseSkipped)
+    # through the result backend an error keeps its message, not its attributes
+    assert f"held by task {holder.id}" in str(skipped)
+
+    value = _answer(holder)
+    assert isinstance(value, dict), value
+    assert value["generation"] == second["generation"]
+    record = cluster.record("beat")
+    assert record is not None
+    assert (record.state, record.takeovers) == (LeaseState.COMPLETED, 1)
+
+    def queue_empty() -> bool:
+        listed = rabbit_server.ctl_call(
+            "list_queues", "name", "messages_ready", "messages_unacknowledged"
+        )
+        return f"{cluster.config.queue}\t0\t0" in listed.splitlines()
+
+    wait_until(queue_empty, timeout=WAIT, message="nothing ready or unacknowledged")
+    logs = "".join(worker.log() for worker in cluster.workers)
+    assert "PRECONDITION_FAILED" not in logs
+    assert len(cluster.side.events(holder.id, "start")) == 2
