@@ -15,10 +15,11 @@ import time
 from datetime import datetime, timezone
 
 import pytest
+from celery import chord, group
 from celery.result import AsyncResult
 
 from celery_leases import LeaseSkipped, LeaseState
-from tests.acceptance.app import BEAT
+from tests.acceptance.app import BEAT, ECHO
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import Worker, wait_until
 from tests.broker_servers import RabbitServer
@@ -167,3 +168,29 @@ def test_a_killed_holders_message_given_back_runs_and_a_skipped_call_is_acked_on
     logs = "".join(worker.log() for worker in cluster.workers)
     assert "PRECONDITION_FAILED" not in logs
     assert len(cluster.side.events(holder.id, "start")) == 2
+
+
+def test_group_members_of_one_key_each_get_an_answer_and_a_chord_stops(
+    cluster: Cluster,
+) -> None:
+    """A group whose members share the key: one runs, every other member is
+    answered ``LeaseSkipped`` at once (none is left without a result); a
+    chord over them does not call its body, and says why."""
+    for name in ("a", "b", "c"):
+        cluster.worker(name)
+    client = cluster.client
+    beat = client.signature(BEAT, queue=cluster.config.queue)
+    members = group(beat.clone((3.0,)) for _ in range(3)).apply_async()
+    answers = members.get(timeout=WAIT, propagate=False)
+    ran = [a for a in answers if isinstance(a, dict)]
+    skipped = [a for a in answers if isinstance(a, LeaseSkipped)]
+    assert (len(ran), len(skipped)) == (1, 2), answers
+    for error in skipped:
+        error.with_traceback(None)
+
+    body = client.signature(ECHO, args=("body",), queue=cluster.config.queue)
+    ended = chord(beat.clone((3.0,)) for _ in range(2))(body)
+    with pytest.raises(LeaseSkipped, match="was skipped") as raised:
+        ended.get(timeout=WAIT)
+    raised.value.with_traceback(None)
+    assert cluster.side.events(kind="start", job_id=ended.id) == []
