@@ -22,6 +22,8 @@ from celery_leases.sending import keeping_send_id
 from celery_leases.task import store_for
 from tests.integration.conftest import WAIT, Recorder, worker
 from tests.integration.test_task_inprocess import store_url
+from tests.proxy import Proxy
+from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -134,3 +136,29 @@ def test_a_new_send_of_the_holders_own_task_id_waits_instead_of_being_skipped(
     record = store.get("beat-k")
     assert record is not None
     assert (record.state, record.task_id) == (LeaseState.COMPLETED, holder)
+
+
+def test_a_store_that_fails_at_the_skip_decision_defers_the_call_and_skips_it_later(
+    make_app: Callable[..., Celery], redis_server: RedisServer, recorder: Recorder, unique: str
+) -> None:
+    """The claim is refused, then the read of the holder's record loses its
+    reply: whether the holder is another send is unknown, so the call is
+    neither skipped nor failed for good nor run; it waits and asks again."""
+    with Proxy("127.0.0.1", redis_server.port) as proxy:
+        app = make_app(
+            f"redis://127.0.0.1:{proxy.port}/0", leases_store_options={"prefix": f"t{unique}:"}
+        )
+        beat = _skipping(app, recorder)
+        store = store_for(app)
+        store.claim("beat-k", "other-worker:1:abc", HOLD, send_id="holder-send", task_id="holder")
+        proxy.drop_reply_to(b"HGETALL")  # the record read after the refused claim
+        with worker(app):
+            result = beat.delay("k")
+            with pytest.raises(LeaseSkipped) as raised:
+                result.get(timeout=WAIT)
+            raised.value.with_traceback(None)
+        assert proxy.dropped_replies == 1
+    [deferred] = recorder.of("duplicate_deferred")
+    assert deferred["reason"] == "held"
+    assert len(recorder.of("lease_skipped")) == 1
+    assert recorder.of("body") == []
