@@ -6,6 +6,8 @@ the broker is Redis, so the test reads the queue's length from its list.
 
 from __future__ import annotations
 
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -139,3 +141,34 @@ def test_a_queued_job_skipped_while_its_key_is_held_takes_its_mark_away(
     assert after.lease_coalesced is False, "the send got the skipped job"
     assert after.get(timeout=WAIT) == "after"
     assert cluster.side.events(skipped.id, "start") == []
+
+
+def test_a_worker_killed_before_its_claim_keeps_the_key_on_its_job_until_it_comes_back(
+    cluster: Cluster,
+) -> None:
+    """A worker that received the queued job dies before it claims: the
+    mark stays (nothing claimed), so sends keep getting that job, and it is
+    not lost: once the broker gives the message back (Redis: its visibility
+    timeout, here 4 s), another worker runs it and takes the mark away."""
+    cluster.configure(visibility_timeout=4.0)
+    key = "k4"
+    redis.Redis.from_url(cluster.config.side).set(f"side:gate:{key}", 1)
+    task = cluster.client.tasks[QUEUE_UNIQUE]
+    worker_a = cluster.worker("a")
+    first = task.apply_async((key, 1), countdown=3)
+    # A holds the message, unacknowledged, until its countdown ends
+    worker_a.wait_for_log(rf"{re.escape(first.id)}\] received", timeout=WAIT)
+    worker_a.kill()
+    killed = time.monotonic()
+    again = task.delay(key, 2)
+    assert (again.lease_coalesced, again.id) == (True, first.id)
+
+    cluster.worker("b")
+    assert first.get(timeout=WAIT) == 1
+    blocked = time.monotonic() - killed
+    assert cluster.store.queued(f"queued-{key}") is None
+    after = task.delay(key, 3)
+    assert after.lease_coalesced is False
+    assert after.get(timeout=WAIT) == 3
+    assert [e["value"] for e in cluster.side.events(kind="start")] == [1, 3]
+    print(f"the key named the dead worker's job for {blocked:.1f} s after the kill")
