@@ -17,7 +17,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_leases import LeasedTask, LeaseSkipped, LeaseState
+from celery_leases import Acquired, LeasedTask, LeaseSkipped, LeaseState, Released
 from celery_leases.sending import keeping_send_id
 from celery_leases.task import store_for
 from tests.integration.conftest import WAIT, Recorder, worker
@@ -162,3 +162,26 @@ def test_a_store_that_fails_at_the_skip_decision_defers_the_call_and_skips_it_la
     assert deferred["reason"] == "held"
     assert len(recorder.of("lease_skipped")) == 1
     assert recorder.of("body") == []
+
+
+def test_a_duplicate_sent_with_a_countdown_is_judged_when_it_runs(
+    app: Celery, recorder: Recorder
+) -> None:
+    """The skip is decided at the claim, when the countdown has ended: a
+    call whose countdown ends while the job is held is skipped, one whose
+    countdown ends after the holder released it runs."""
+    beat = _skipping(app, recorder)
+    store = store_for(app)
+    held = store.claim("beat-k", "other-worker:1:abc", HOLD, send_id="holder-send", task_id="h")
+    assert isinstance(held, Acquired)
+    with worker(app):
+        early = beat.apply_async(("k",), countdown=0.5)
+        with pytest.raises(LeaseSkipped) as raised:
+            early.get(timeout=WAIT)
+        raised.value.with_traceback(None)
+        late = beat.apply_async(("k",), countdown=2.0)
+        assert isinstance(store.release("beat-k", held.owner, held.generation), Released)
+        assert late.get(timeout=WAIT) == "ran"
+    assert recorder.of("body") == [late.id]
+    [skipped] = recorder.of("lease_skipped")
+    assert skipped["task_id"] == early.id
