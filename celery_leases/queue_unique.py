@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, tzinfo
 from typing import Any, TypeVar
 
 from celery.signals import task_revoked
@@ -107,7 +107,7 @@ def send_unique(
     options.pop("task_id", None)
     job_id = task.lease_job_id(None, tuple(args or ()), dict(kwargs or {}))
     task_id = uuid()
-    ttl = min(bound + _wait_before_run(options), MAX_TTL)
+    ttl = min(bound + _wait_before_run(options, task.app.timezone), MAX_TTL)
     try:
         store = store_for(task.app)
         # short until the message is out: a sender that dies before its
@@ -172,8 +172,9 @@ def _marked(result: Any, *, coalesced: bool) -> Any:
     return result
 
 
-def _wait_before_run(options: dict[str, Any]) -> float:
-    """Seconds the message waits on purpose (``countdown`` or ``eta``)."""
+def _wait_before_run(options: dict[str, Any], zone: tzinfo) -> float:
+    """Seconds the message waits on purpose (``countdown`` or ``eta``); a
+    naive ``eta`` is in ``zone``, the app's timezone, as Celery reads it."""
     countdown = options.get("countdown")
     if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
         return max(0.0, float(countdown))
@@ -181,6 +182,8 @@ def _wait_before_run(options: dict[str, Any]) -> float:
     if isinstance(eta, str):
         eta = datetime.fromisoformat(eta)
     if isinstance(eta, datetime):
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=zone)
         return max(0.0, eta.timestamp() - time.time())
     return 0.0
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -374,3 +375,24 @@ def test_group_members_and_send_task_publish_without_a_mark_and_leave_the_queued
         assert queued.get(timeout=WAIT) == "report 7 queued"
     assert sorted(note for _, note in recorder.of("ran")) == ["by-name", "g1", "g2", "queued"]
     assert store.queued("report-7") is None
+
+
+def test_a_naive_eta_keeps_the_mark_as_long_as_celery_holds_the_message(
+    make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery reads a naive ``eta`` in the app's timezone (UTC unless set),
+    not the machine's: the mark must last until that eta plus the bound."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")  # the machine's clock at UTC+9
+    time.tzset()
+    try:
+        app = make_app()
+        report = unique_task(app, lease_queue_unique=900)
+        eta = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=600)
+        sent = report.apply_async((7,), eta=eta)
+        mark = store_for(app).queued("report-7")
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert mark is not None
+    assert mark.task_id == sent.id
+    assert mark.queued_until_ms - mark.queued_at_ms >= (900 + 590) * 1000
