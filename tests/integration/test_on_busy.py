@@ -7,6 +7,7 @@ made with a claim of the store, as another worker's would be.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -185,3 +186,42 @@ def test_a_duplicate_sent_with_a_countdown_is_judged_when_it_runs(
     assert recorder.of("body") == [late.id]
     [skipped] = recorder.of("lease_skipped")
     assert skipped["task_id"] == early.id
+
+
+def test_a_retry_whose_release_never_reached_the_store_runs_the_job_again(
+    make_app: Callable[..., Celery], redis_server: RedisServer, recorder: Recorder, unique: str
+) -> None:
+    """The first attempt calls ``retry()`` while the lease store cannot be
+    reached: its release fails, the retry message goes out (a new send of
+    the same task id), and the first attempt's lease stays held until it
+    runs out. The retry waits for it and runs; skipped, it would store
+    ``LeaseSkipped`` as the task's result and the job would never run again."""
+    gate = threading.Event()
+    with Proxy("127.0.0.1", redis_server.port) as proxy:
+        app = make_app(
+            f"redis://127.0.0.1:{proxy.port}/0", leases_store_options={"prefix": f"t{unique}:"}
+        )
+
+        @app.task(
+            shared=False, base=LeasedTask, bind=True, lease_key="retry-{key}",
+            lease_on_busy="skip", lease_ttl=6.0,
+        )  # fmt: skip
+        def flaky(self: LeasedTask, key: str) -> str:
+            recorder.add("attempt", self.request.retries)
+            if self.request.retries == 0:
+                assert gate.wait(WAIT)
+                raise self.retry(countdown=0.1, max_retries=1)
+            return "ran"
+
+        with worker(app):
+            result = flaky.delay("k")
+            recorder.wait("attempt")
+            proxy.refuse()  # the store goes away under the first attempt
+            gate.set()
+            # the retry message is delivered and deferred: the store is down
+            recorder.wait("duplicate_deferred")
+            proxy.heal()
+            assert result.get(timeout=WAIT) == "ran"
+    assert recorder.of("attempt") == [0, 1]
+    assert recorder.of("lease_skipped") == []
+    assert recorder.of("lease_released") == []  # the release never reached the store
