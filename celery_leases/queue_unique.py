@@ -7,7 +7,8 @@ and every other gets the queued job's ``AsyncResult`` and publishes
 nothing; that result's ``lease_coalesced`` attribute is ``True``. The run
 that claims the key's lease takes the mark away (right after the claim), so
 the next send publishes again; a revoked or expired message takes it away
-when a worker discards it. A mark that nobody takes away (a lost message, a
+when a worker discards it, and a call skipped under ``lease_on_busy="skip"``
+when it is answered. A mark that nobody takes away (a lost message, a
 sender that died between the mark and the publish) runs out by itself:
 until a message is published its mark lasts :data:`PUBLISH_WINDOW`, then the
 task's bound.
@@ -17,7 +18,7 @@ Timeline of two senders and a worker::
     sender A                  store                 sender B          worker
     mark(k, a, 60 s) ----->   mark k: a
     publish a
-    mark(k, a, bound) ---->   mark k: a, longer
+    extend(k, a, bound) -->   mark k: a, longer (none if gone)
                               <-----------------  mark(k, b, 60 s): a
                                                   AsyncResult(a), coalesced
                               <-----------------------------------  claim k (a)
@@ -37,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, tzinfo
 from typing import Any, TypeVar
 
 from celery.signals import task_revoked
@@ -106,7 +107,7 @@ def send_unique(
     options.pop("task_id", None)
     job_id = task.lease_job_id(None, tuple(args or ()), dict(kwargs or {}))
     task_id = uuid()
-    ttl = min(bound + _wait_before_run(options), MAX_TTL)
+    ttl = min(bound + _wait_before_run(options, task.app.timezone), MAX_TTL)
     try:
         store = store_for(task.app)
         # short until the message is out: a sender that dies before its
@@ -137,9 +138,14 @@ def send_unique(
 
 
 def _mark_longer(store: Any, job_id: str, task_id: str, ttl: float) -> None:
-    """Make the published message's mark last ``ttl`` seconds from now."""
+    """Make the published message's mark last ``ttl`` seconds from now.
+
+    Only a mark still there is extended: the run may have claimed the job
+    and taken the mark away since the publish, and a mark placed anew would
+    send every call for the whole bound to a job that has started.
+    """
     mark = _store_call(
-        lambda: store.mark_queued(job_id, task_id, ttl),
+        lambda: store.extend_queued(job_id, task_id, ttl),
         "could not extend the queued mark of job %r (task %s) after its publish; it runs "
         "out within %.0f s, and a send after that queues another job",
         job_id, task_id, PUBLISH_WINDOW,
@@ -166,8 +172,9 @@ def _marked(result: Any, *, coalesced: bool) -> Any:
     return result
 
 
-def _wait_before_run(options: dict[str, Any]) -> float:
-    """Seconds the message waits on purpose (``countdown`` or ``eta``)."""
+def _wait_before_run(options: dict[str, Any], zone: tzinfo) -> float:
+    """Seconds the message waits on purpose (``countdown`` or ``eta``); a
+    naive ``eta`` is in ``zone``, the app's timezone, as Celery reads it."""
     countdown = options.get("countdown")
     if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
         return max(0.0, float(countdown))
@@ -175,6 +182,8 @@ def _wait_before_run(options: dict[str, Any]) -> float:
     if isinstance(eta, str):
         eta = datetime.fromisoformat(eta)
     if isinstance(eta, datetime):
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=zone)
         return max(0.0, eta.timestamp() - time.time())
     return 0.0
 
@@ -208,29 +217,30 @@ def _on_claimed(sender: Any = None, lease: Lease | None = None, **_: Any) -> Non
         _take_back(lease.store, key, lease.task_id, "its run claimed the lease")
 
 
-def _on_skipped(sender: Any = None, job_id: str = "", task_id: str = "", **_: Any) -> None:
-    # a skipped message (lease_on_busy="skip", or a copy of a completed
-    # job) never runs: the next send of its key must publish again
-    if sender is None or not task_id:
-        return
-    key = _queued_key(sender.request)
-    if key and key == job_id:
-        _take_back(store_for(sender.app), key, task_id, "its call was skipped")
-
-
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # a revoked or expired message is discarded: it will never claim
+    _take_back_ended(sender, request, getattr(request, "id", None), "its message was revoked")
+
+
+def _on_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    # a call skipped under lease_on_busy="skip" is answered: it will never claim
+    request = getattr(sender, "request", None)
+    _take_back_ended(sender, request, task_id, "its call was skipped")
+
+
+def _take_back_ended(sender: Any, request: Any, task_id: str | None, why: str) -> None:
+    """Take the mark of a message that ended without claiming away."""
     key = _queued_key(request)
-    task_id = getattr(request, "id", None)
-    if key and task_id and sender is not None:
-        try:
-            store = store_for(sender.app)
-        except LeaseError as exc:
-            logger.warning("could not open the lease store to unmark job %r: %s", key, exc)
-            return
-        _take_back(store, key, task_id, "its message was revoked")
+    if not key or not task_id or sender is None:
+        return
+    try:
+        store = store_for(sender.app)
+    except LeaseError as exc:
+        logger.warning("could not open the lease store to unmark job %r: %s", key, exc)
+        return
+    _take_back(store, key, task_id, why)
 
 
 lease_claimed.connect(_on_claimed, weak=False, dispatch_uid="celery_leases.queue_unique.claimed")
-lease_skipped.connect(_on_skipped, weak=False, dispatch_uid="celery_leases.queue_unique.skipped")
 task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_leases.queue_unique.revoked")
+lease_skipped.connect(_on_skipped, weak=False, dispatch_uid="celery_leases.queue_unique.skipped")

@@ -271,7 +271,10 @@ def answer_held(
     Under ``lease_on_busy="skip"`` a call is skipped when another send holds
     the job (:func:`_holder_of_another_send`); a delivery of the holder's own
     send (a redelivery, or the library's copy of it) waits as under
-    ``"wait"``: if the holder dies, that copy takes the job over.
+    ``"wait"``: if the holder dies, that copy takes the job over. So does a
+    new send of the holder's own task id (a ``retry()`` or ``replace()``
+    whose release did not reach the store): its answer would be the
+    holder's result, and it is the job's next run.
 
     Raises:
         LeaseSkipped: skipped; it is the call's result, and the message is
@@ -280,7 +283,7 @@ def answer_held(
         Ignore: the message was published again.
     """
     if options.on_busy == "skip":
-        holder_task_id = _holder_of_another_send(task, claim, send_id)
+        holder_task_id = _holder_of_another_send(task, claim, send_id, request.id)
         if holder_task_id is not None:
             _skip(task, request, claim, holder_task_id)
     if request.is_eager or request.called_directly:
@@ -301,9 +304,12 @@ def answer_held(
     raise Ignore()
 
 
-def _holder_of_another_send(task: Any, claim: HeldElsewhere, send_id: str | None) -> str | None:
+def _holder_of_another_send(
+    task: Any, claim: HeldElsewhere, send_id: str | None, task_id: str | None
+) -> str | None:
     """The task id of the holder ("" if unknown) when it came from another
-    send than ``send_id``; None when it is the same send, or not known.
+    send than ``send_id`` with another task id than ``task_id``; None when
+    it is the same send or task id, or not known.
 
     The claim does not say which send holds the job, so the record is read
     (a refused claim only). A record that changed since the claim, or a
@@ -319,6 +325,7 @@ def _holder_of_another_send(task: Any, claim: HeldElsewhere, send_id: str | None
         or record.state is not LeaseState.HELD
         or record.generation != claim.generation
         or record.is_same_run(send_id)
+        or (task_id is not None and record.task_id == task_id)
     ):
         return None
     return record.task_id

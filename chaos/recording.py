@@ -283,6 +283,9 @@ class RecordingStore(LeaseStore):
     def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark:
         return self.inner.mark_queued(job_id, task_id, ttl_ms / 1000)
 
+    def _extend_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark | None:
+        return self.inner.extend_queued(job_id, task_id, ttl_ms / 1000)
+
     def _unmark_queued(self, job_id: str, task_id: str) -> bool:
         return self.inner.unmark_queued(job_id, task_id)
 

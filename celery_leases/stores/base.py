@@ -361,8 +361,7 @@ class LeaseStore(abc.ABC):
         """Mark ``job_id`` as having the message ``task_id`` queued, for
         ``ttl`` seconds, unless a mark of another task id that has not run
         out is there. A live mark of ``task_id`` itself runs out ``ttl``
-        seconds from now instead (its ``queued_at`` is kept): a sender marks
-        for a short while, publishes, then marks again for the full time.
+        seconds from now instead (its ``queued_at`` is kept).
 
         Atomic: of many senders at once, one places its mark and the
         others get it. The mark lives apart from the lease record, which it
@@ -378,6 +377,26 @@ class LeaseStore(abc.ABC):
             LeaseConfigurationError: an argument is invalid.
         """
         return self._mark_queued(
+            check_job_id(job_id), check_text(task_id, "task_id"), ttl_to_ms(ttl)
+        )
+
+    def extend_queued(self, job_id: str, task_id: str, ttl: float) -> QueuedMark | None:
+        """Make the live mark of ``task_id`` run out ``ttl`` seconds from now
+        (its ``queued_at`` is kept); place none.
+
+        A sender marks for a short while, publishes, then extends its mark:
+        by then the run may have claimed the job and taken the mark away,
+        and the key must stay free, so a mark that is gone stays gone.
+
+        Returns:
+            The live mark after the call: this one, extended; another task
+            id's (this one ran out and another sender marked); or ``None``.
+
+        Raises:
+            StoreUnavailable: the store could not be asked.
+            LeaseConfigurationError: an argument is invalid.
+        """
+        return self._extend_queued(
             check_job_id(job_id), check_text(task_id, "task_id"), ttl_to_ms(ttl)
         )
 
@@ -450,6 +469,9 @@ class LeaseStore(abc.ABC):
 
     @abc.abstractmethod
     def _mark_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark: ...
+
+    @abc.abstractmethod
+    def _extend_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark | None: ...
 
     @abc.abstractmethod
     def _unmark_queued(self, job_id: str, task_id: str) -> bool: ...

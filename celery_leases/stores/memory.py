@@ -238,6 +238,14 @@ class MemoryStore(LeaseStore):
                 mark = self._marks[job_id] = dataclasses.replace(mark, queued_until_ms=now + ttl_ms)
             return mark
 
+    def _extend_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark | None:
+        with self._lock:
+            now = self._clock()
+            mark = self._live_mark(job_id, now)
+            if mark is not None and mark.task_id == task_id:
+                mark = self._marks[job_id] = dataclasses.replace(mark, queued_until_ms=now + ttl_ms)
+            return mark
+
     def _unmark_queued(self, job_id: str, task_id: str) -> bool:
         with self._lock:
             mark = self._marks.get(job_id)

@@ -50,6 +50,7 @@ SLOW_ONCE = "acceptance.slow_once"
 HOLD_HUB = "acceptance.hold_hub"
 BEAT = "acceptance.beat"
 QUEUE_UNIQUE = "acceptance.queue_unique"
+BEAT_QUEUED = "acceptance.beat_queued"
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,17 @@ def _time_endings(config: AcceptanceConfig) -> None:
     lease_signals.lease_fenced_out.connect(ended("fenced-out"), weak=False)
 
 
+def _gated(config: AcceptanceConfig, task: Task, key: str, value: Any) -> Any:
+    """Report the start, wait until ``side:gate:<key>`` exists, return ``value``."""
+    _event(config, task, "start", value=value)
+    side = side_channel(config.side)
+    deadline = time.monotonic() + 120
+    while not side.exists(f"side:gate:{key}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    side.incr(f"side:done:{task.request.id}")
+    return value
+
+
 def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
     @celery_app.task(base=LeasedTask, bind=True, shared=False, name=STEPS)
     def steps(self: Any, seconds: float, step: float = 0.05) -> dict[str, Any]:
@@ -481,13 +493,15 @@ def _register_tasks(celery_app: Celery, config: AcceptanceConfig) -> None:
     )  # fmt: skip
     def queue_unique(self: Any, key: str, value: Any) -> Any:
         """Return ``value`` once ``side:gate:<key>`` exists; one queued job per ``key``."""
-        _event(config, self, "start", value=value)
-        side = side_channel(config.side)
-        deadline = time.monotonic() + 120
-        while not side.exists(f"side:gate:{key}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        side.incr(f"side:done:{self.request.id}")
-        return value
+        return _gated(config, self, key, value)
+
+    @celery_app.task(
+        base=LeasedTask, bind=True, shared=False, name=BEAT_QUEUED,
+        lease_key="beat-queued-{key}", lease_queue_unique=True, lease_on_busy="skip",
+    )  # fmt: skip
+    def beat_queued(self: Any, key: str, value: Any) -> Any:
+        """``queue_unique`` that is skipped, not deferred, while its key is held."""
+        return _gated(config, self, key, value)
 
     @celery_app.task(base=LeasedTask, bind=True, shared=False, name=SLOW_ONCE)
     def slow_once(self: Any, seconds: float) -> dict[str, Any]:

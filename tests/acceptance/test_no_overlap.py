@@ -15,12 +15,14 @@ import time
 from datetime import datetime, timezone
 
 import pytest
+from celery import chord, group
 from celery.result import AsyncResult
 
 from celery_leases import LeaseSkipped, LeaseState
-from tests.acceptance.app import BEAT
+from tests.acceptance.app import BEAT, ECHO
 from tests.acceptance.conftest import Cluster
-from tests.acceptance.harness import Worker
+from tests.acceptance.harness import Worker, wait_until
+from tests.broker_servers import RabbitServer
 
 PERIOD = 2.0
 BODY = 7.0
@@ -125,3 +127,70 @@ def test_a_killed_holder_lets_the_next_call_run_once_its_lease_runs_out(
 def _worker_named(workers: list[Worker], hostname: str) -> Worker:
     [found] = [w for w in workers if hostname.startswith(f"{w.name}@")]
     return found
+
+
+@pytest.mark.parametrize("broker_kind", ["amqp"], indirect=True)
+def test_a_killed_holders_message_given_back_runs_and_a_skipped_call_is_acked_once(
+    cluster: Cluster, rabbit_server: RabbitServer
+) -> None:
+    """RabbitMQ gives a killed worker's unacknowledged message to another
+    worker at once (``acks_late``): the holder's own send, so it waits for
+    the dead holder's lease and takes the job over, never skipped. A call
+    made while it runs is skipped and acknowledged once (a second ack of
+    one delivery would close the channel, PRECONDITION_FAILED, and give
+    every message on it back)."""
+    workers = [cluster.worker("a"), cluster.worker("b"), cluster.worker("c")]
+    holder = cluster.send(BEAT, 6.0)
+    [started] = cluster.side.wait_event(holder.id, "start", timeout=WAIT)
+    _worker_named(workers, started["worker"]).kill()
+
+    first, second = cluster.side.wait_event(holder.id, "start", timeout=WAIT, count=2)
+    assert second["generation"] > first["generation"]  # the same message took over
+    skipped = _answer(cluster.send(BEAT, 0.1))
+    assert isinstance(skipped, LeaseSkipped)
+    # through the result backend an error keeps its message, not its attributes
+    assert f"held by task {holder.id}" in str(skipped)
+
+    value = _answer(holder)
+    assert isinstance(value, dict), value
+    assert value["generation"] == second["generation"]
+    record = cluster.record("beat")
+    assert record is not None
+    assert (record.state, record.takeovers) == (LeaseState.COMPLETED, 1)
+
+    def queue_empty() -> bool:
+        listed = rabbit_server.ctl_call(
+            "list_queues", "name", "messages_ready", "messages_unacknowledged"
+        )
+        return f"{cluster.config.queue}\t0\t0" in listed.splitlines()
+
+    wait_until(queue_empty, timeout=WAIT, message="nothing ready or unacknowledged")
+    logs = "".join(worker.log() for worker in cluster.workers)
+    assert "PRECONDITION_FAILED" not in logs
+    assert len(cluster.side.events(holder.id, "start")) == 2
+
+
+def test_group_members_of_one_key_each_get_an_answer_and_a_chord_stops(
+    cluster: Cluster,
+) -> None:
+    """A group whose members share the key: one runs, every other member is
+    answered ``LeaseSkipped`` at once (none is left without a result); a
+    chord over them does not call its body, and says why."""
+    for name in ("a", "b", "c"):
+        cluster.worker(name)
+    client = cluster.client
+    beat = client.signature(BEAT, queue=cluster.config.queue)
+    members = group(beat.clone((3.0,)) for _ in range(3)).apply_async()
+    answers = members.get(timeout=WAIT, propagate=False)
+    ran = [a for a in answers if isinstance(a, dict)]
+    skipped = [a for a in answers if isinstance(a, LeaseSkipped)]
+    assert (len(ran), len(skipped)) == (1, 2), answers
+    for error in skipped:
+        error.with_traceback(None)
+
+    body = client.signature(ECHO, args=("body",), queue=cluster.config.queue)
+    ended = chord(beat.clone((3.0,)) for _ in range(2))(body)
+    with pytest.raises(LeaseSkipped, match="was skipped") as raised:
+        ended.get(timeout=WAIT)
+    raised.value.with_traceback(None)
+    assert cluster.side.events(kind="start", job_id=ended.id) == []

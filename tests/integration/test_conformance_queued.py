@@ -114,3 +114,35 @@ def test_bad_mark_arguments_are_configuration_errors(
 ) -> None:
     with pytest.raises(LeaseConfigurationError, match=word):
         store.mark_queued(job_id, task_id, ttl)  # type: ignore[arg-type]
+
+
+def test_extend_makes_the_own_live_mark_last_longer_and_keeps_queued_at(
+    store: LeaseStore,
+) -> None:
+    first = store.mark_queued(JOB, "task-a", 5)
+    extended = store.extend_queued(JOB, "task-a", 600)
+    assert extended is not None
+    assert extended.task_id == "task-a"
+    assert extended.queued_at_ms == first.queued_at_ms
+    assert extended.queued_until_ms >= first.queued_at_ms + 600_000
+    assert store.queued(JOB) == extended
+
+
+def test_extend_places_no_mark_where_the_run_took_it_away(store: LeaseStore) -> None:
+    store.mark_queued(JOB, "task-a", 30)
+    assert store.unmark_queued(JOB, "task-a")  # its run claimed the job
+    assert store.extend_queued(JOB, "task-a", 600) is None
+    assert store.queued(JOB) is None
+    assert store.mark_queued(JOB, "task-b", 30).task_id == "task-b"
+
+
+def test_extend_leaves_another_task_ids_mark_and_a_ran_out_one_alone(
+    store: LeaseStore,
+) -> None:
+    first = store.mark_queued(JOB, "task-a", SHORT_TTL)
+    wait_for_store_clock(store, first.queued_until_ms)
+    assert store.extend_queued(JOB, "task-a", 600) is None
+    assert store.queued(JOB) is None
+    other = store.mark_queued(JOB, "task-b", 30)
+    assert store.extend_queued(JOB, "task-a", 600) == other
+    assert store.queued(JOB) == other

@@ -13,11 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 from kombu.exceptions import OperationalError
 
 from celery_leases import LeaseConfigurationError, LeasedTask, LeaseSkipped
@@ -381,3 +382,50 @@ def test_a_revoked_message_discarded_by_the_worker_takes_its_mark_away(
         assert again.lease_coalesced is False
         assert again.get(timeout=WAIT) == "report 7 "
     assert [task_id for task_id, _ in recorder.of("ran")] == [again.id]
+
+
+def test_group_members_and_send_task_publish_without_a_mark_and_leave_the_queued_one(
+    make_app: Callable[..., Celery], redis_server: RedisServer, recorder: Recorder
+) -> None:
+    """The send paths the option does not check: a group's (or chain's)
+    members are frozen signatures with their task ids, and ``send_task``
+    by name never goes through the task's ``apply_async``. Each publishes;
+    the key's mark keeps naming the queued job, and the lease still runs
+    every one of them alone."""
+    app = make_app()
+    report = unique_task(app, recorder)
+    queued = report.delay(7, note="queued")
+    members = group(report.s(7, note="g1"), report.s(7, note="g2")).apply_async()
+    by_name = app.send_task(report.name, args=(7,), kwargs={"note": "by-name"})
+    assert queue_length(app, redis_server) == 4
+    store = store_for(app)
+    mark = store.queued("report-7")
+    assert mark is not None
+    assert mark.task_id == queued.id
+    with worker(app):
+        assert members.get(timeout=WAIT) == ["report 7 g1", "report 7 g2"]
+        assert by_name.get(timeout=WAIT) == "report 7 by-name"
+        assert queued.get(timeout=WAIT) == "report 7 queued"
+    assert sorted(note for _, note in recorder.of("ran")) == ["by-name", "g1", "g2", "queued"]
+    assert store.queued("report-7") is None
+
+
+def test_a_naive_eta_keeps_the_mark_as_long_as_celery_holds_the_message(
+    make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery reads a naive ``eta`` in the app's timezone (UTC unless set),
+    not the machine's: the mark must last until that eta plus the bound."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")  # the machine's clock at UTC+9
+    time.tzset()
+    try:
+        app = make_app()
+        report = unique_task(app, lease_queue_unique=900)
+        eta = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=600)
+        sent = report.apply_async((7,), eta=eta)
+        mark = store_for(app).queued("report-7")
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert mark is not None
+    assert mark.task_id == sent.id
+    assert mark.queued_until_ms - mark.queued_at_ms >= (900 + 590) * 1000

@@ -3,7 +3,8 @@
 Eight processes (started with ``spawn``, each with its own app and store
 handle, as separate web processes would be) wait at a barrier and then all
 send the same key at once, round after round, each round a new key. The
-broker is a real Redis; the lease store is Redis, PostgreSQL or MariaDB.
+broker is a real Redis; the lease store is Redis, PostgreSQL, SQLite (one
+file, its write lock shared by the processes) or MariaDB.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def sender(
 
 
 @pytest.mark.parametrize(
-    "store_kind", ["redis", "postgres", pytest.param("mysql", marks=pytest.mark.mysql)]
+    "store_kind",
+    ["redis", "postgres", "sqlite", pytest.param("mysql", marks=pytest.mark.mysql)],
 )
 def test_senders_at_once_publish_one_message_per_key(
     redis_server: RedisServer,

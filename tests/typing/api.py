@@ -94,6 +94,7 @@ def bill(task: LeasedTask, engine: sa.Engine, session: Session) -> dict[str, int
 
 def queued(store: LeaseStore) -> str | None:
     mark: QueuedMark = store.mark_queued("report:7", "task-id", 600.0)
+    longer: QueuedMark | None = store.extend_queued("report:7", mark.task_id, 3600.0)
     taken: bool = store.unmark_queued("report:7", mark.task_id)
     now: QueuedMark | None = store.queued("report:7")
-    return None if now is None or taken else now.task_id
+    return None if now is None or longer is None or taken else now.task_id

@@ -14,7 +14,14 @@ from typing import Any
 
 from celery_leases.stores.queued import QueuedMark
 
-__all__ = ["MARK_QUEUED_SCRIPT", "QUEUED_SCRIPT", "UNMARK_QUEUED_SCRIPT", "mark_key", "queued_mark"]
+__all__ = [
+    "EXTEND_QUEUED_SCRIPT",
+    "MARK_QUEUED_SCRIPT",
+    "QUEUED_SCRIPT",
+    "UNMARK_QUEUED_SCRIPT",
+    "mark_key",
+    "queued_mark",
+]
 
 # Store time in integer milliseconds from the server's clock, formatted as
 # an integer (a Lua number may print with an exponent).
@@ -48,6 +55,26 @@ redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'queued_at', queued_at,
   'queued_until', int(until_ms))
 redis.call('PEXPIREAT', KEYS[1], int(until_ms))
 return {ARGV[1], queued_at, int(until_ms)}
+"""
+)
+
+#: Make the live mark of the task id run out ARGV[2] ms from now; place none.
+#: KEYS[1] mark key; ARGV[1] task id, ARGV[2] ttl in ms.
+#: Returns {task_id, queued_at, queued_until}: the live mark after the call
+#: (this one, extended, or another task id's), or {} when there is none.
+EXTEND_QUEUED_SCRIPT = (
+    _NOW
+    + """
+if not live then
+  return {}
+end
+if found[1] ~= ARGV[1] then
+  return {found[1], found[2], found[3]}
+end
+local until_ms = int(now + tonumber(ARGV[2]))
+redis.call('HSET', KEYS[1], 'queued_until', until_ms)
+redis.call('PEXPIREAT', KEYS[1], until_ms)
+return {found[1], found[2], until_ms}
 """
 )
 
@@ -88,7 +115,8 @@ def mark_key(prefix: str, job_id: str) -> str:
 
 
 def queued_mark(job_id: str, reply: Any) -> QueuedMark | None:
-    """The mark in a reply of :data:`MARK_QUEUED_SCRIPT` or :data:`QUEUED_SCRIPT`."""
+    """The mark in a reply of :data:`MARK_QUEUED_SCRIPT`,
+    :data:`EXTEND_QUEUED_SCRIPT` or :data:`QUEUED_SCRIPT`."""
     if not reply:
         return None
     task_id, queued_at, queued_until = reply

@@ -123,6 +123,7 @@ class RedisStore(RedisBatches, LeaseStore):
         self._purge_one_script = client.register_script(PURGE_ONE_SCRIPT)
         self._mark_queued_script = client.register_script(redis_queued.MARK_QUEUED_SCRIPT)
         self._unmark_queued_script = client.register_script(redis_queued.UNMARK_QUEUED_SCRIPT)
+        self._extend_queued_script = client.register_script(redis_queued.EXTEND_QUEUED_SCRIPT)
         self._queued_script = client.register_script(redis_queued.QUEUED_SCRIPT)
         self._config_pending = check_config
         if check_config:
@@ -369,6 +370,12 @@ class RedisStore(RedisBatches, LeaseStore):
             if mark is None:
                 raise ResponseError(f"unexpected reply {reply!r} from the mark script")
             return mark
+
+    def _extend_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark | None:
+        with self._errors("extend_queued", job_id):
+            key = redis_queued.mark_key(self.prefix, job_id)
+            reply = self._eval(self._extend_queued_script, key, task_id, ttl_ms)
+            return redis_queued.queued_mark(job_id, reply)
 
     def _unmark_queued(self, job_id: str, task_id: str) -> bool:
         with self._errors("unmark_queued", job_id):

@@ -104,7 +104,13 @@ class QueuedMarks:
         live = sa.and_(table.c.job_id == sa.bindparam("p_job_id"), table.c.queued_until > now)
         read = sa.select(table.c.task_id, table.c.queued_at, table.c.queued_until).where(live)
         self.read = read.with_for_update() if dialect.name == "mysql" else read
-        self.delete = sa.delete(table).where(live, table.c.task_id == sa.bindparam("p_task_id"))
+        own = sa.and_(live, table.c.task_id == sa.bindparam("p_task_id"))
+        self.extend_own = (
+            sa.update(table)
+            .where(own)
+            .values(queued_until=now + sa.bindparam("p_ttl_ms", type_=sa.BigInteger))
+        )
+        self.delete = sa.delete(table).where(own)
         self.delete_ran_out = sa.delete(table).where(
             table.c.job_id == sa.bindparam("p_job_id"),
             table.c.task_id == sa.bindparam("p_task_id"),
@@ -149,6 +155,13 @@ class QueuedMarks:
         if row is None:
             return None
         return QueuedMark(job_id, str(row.task_id), int(row.queued_at), int(row.queued_until))
+
+    def extend(self, conn: Connection, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark | None:
+        """Make the live mark of ``task_id`` run out ``ttl_ms`` from now (it
+        places none); the live mark after it."""
+        parameters = {"p_job_id": job_id, "p_task_id": task_id, "p_ttl_ms": ttl_ms}
+        conn.execute(self.extend_own, parameters)
+        return self.live(conn, job_id)
 
     def unmark(self, conn: Connection, job_id: str, task_id: str) -> bool:
         """Delete the mark if it names ``task_id``: whether a live one went."""

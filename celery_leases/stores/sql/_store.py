@@ -342,6 +342,16 @@ class SqlStore(SqlRecords, LeaseStore):
         # and the caller cannot tell it from another sender's
         return self._call("mark_queued", work, job_id=job_id)
 
+    def _extend_queued(self, job_id: str, task_id: str, ttl_ms: int) -> QueuedMark | None:
+        marks = self._queued_marks
+
+        def work() -> QueuedMark | None:
+            if not marks.exists(self.engine):
+                return None
+            return self._in_write(marks.extend, job_id, task_id, ttl_ms)
+
+        return self._call("extend_queued", work, again=True, job_id=job_id)
+
     def _unmark_queued(self, job_id: str, task_id: str) -> bool:
         marks = self._queued_marks
 
