@@ -88,13 +88,15 @@ def test_a_project_that_does_not_load_its_celery_app_is_told_how(tmp_path: Path)
     project = tmp_path / "project"
     shutil.copytree(SHOP, project, ignore=shutil.ignore_patterns("*.sqlite3", "broker"))
     (project / "shop" / "__init__.py").write_text("")  # the app is never imported
-    checked = _python("manage.py", "check", cwd=project)
+    # on MySQL, Django's model checks connect: to the test database, which exists
+    database = str(connection.settings_dict["NAME"])
+    checked = _python("manage.py", "check", cwd=project, SHOP_DB_NAME=database)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     assert "no configured Celery app was found" in checked.stderr
     assert "in proj/__init__.py, `from .celery import app as celery_app`" in checked.stderr
     assert "leases_store setting is missing" not in checked.stderr
     # `celery leases check` without -A names what is missing
-    without_app = _python("-m", "celery", "leases", "check", cwd=project)
+    without_app = _python("-m", "celery", "leases", "check", cwd=project, SHOP_DB_NAME=database)
     assert without_app.returncode == 5, without_app.stdout + without_app.stderr
     assert "no Celery app was given" in without_app.stdout
     assert "celery -A proj leases check" in without_app.stdout
