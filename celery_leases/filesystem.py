@@ -78,6 +78,7 @@ from kombu.transport import filesystem
 from kombu.utils import json as kombu_json
 
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.values import is_number
 
 try:
     import fcntl
@@ -475,7 +476,7 @@ def visibility_timeout_option(options: dict[str, Any]) -> float | None:
     value = options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise LeaseConfigurationError(
             f"broker_transport_options['visibility_timeout'] must be a number of seconds "
             f"above 0, or None to keep a living consumer's messages until it acknowledges "

@@ -26,6 +26,8 @@ from typing import Any
 from celery.events.state import State
 from celery.events.state import Task as _CeleryTask
 
+from celery_leases.values import is_number
+
 __all__ = ["EVENT_GROUP", "LEASE_FIELDS", "LeaseAttempts", "LeaseTask", "install", "watch"]
 
 #: the event group (``lease-claimed`` ... ``lease-skipped``)
@@ -83,7 +85,7 @@ def _as_flower_time(value: Any) -> Any:
 def _stamp(entry: dict[str, Any], fields: dict[str, Any]) -> None:
     """Keep the time of the entry's first event (the sender's clock), ``at``."""
     timestamp = fields.get("timestamp")
-    if isinstance(timestamp, (int, float)) and not isinstance(timestamp, bool):
+    if is_number(timestamp):
         entry["at"] = min(entry.get("at", timestamp), timestamp)
 
 

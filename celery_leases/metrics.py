@@ -28,6 +28,7 @@ from typing import Any
 
 from celery_leases import signals
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.values import is_whole
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -240,9 +241,7 @@ _RECEIVERS = (
 
 def _port(app: Any) -> int | None:
     port = app.conf.get("leases_metrics_port")
-    if port is not None and (
-        isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536
-    ):
+    if port is not None and not is_whole(port, 0, 65535):
         raise LeaseConfigurationError(
             "leases_metrics_port must be a TCP port number (1-65535), 0 for a free port, "
             f"or None, got {port!r}"

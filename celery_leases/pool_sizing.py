@@ -32,6 +32,7 @@ from celery_leases.errors import LeaseConfigurationError
 from celery_leases.green_pools import green_pool
 from celery_leases.runtime import forget_runtime, settings_for
 from celery_leases.stores import is_redis_url, is_sql_url
+from celery_leases.values import is_whole
 
 __all__ = ["DEFAULT_CONNECTIONS", "SPARE_CONNECTIONS", "most_tasks", "size_task_pool"]
 
@@ -127,7 +128,7 @@ def size_task_pool(app: Any, pool: str, tasks: int) -> str | None:
                 wanted, SPARE_CONNECTIONS,
             )  # fmt: skip
         return None
-    if isinstance(given, int) and not isinstance(given, bool) and given < tasks:
+    if is_whole(given) and given < tasks:
         return (
             f"the lease store sets max_connections={given}, below the worker's "
             f"concurrency ({tasks}): when more tasks than that talk to the Redis "

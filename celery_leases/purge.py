@@ -23,6 +23,7 @@ from typing import Any
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.runtime import store_for
 from celery_leases.stores.base import MIN_RETENTION, LeaseStore
+from celery_leases.values import is_number
 
 __all__ = ["PURGE_TASK_NAME", "purge_records", "purge_task", "schedule_purge"]
 
@@ -47,7 +48,7 @@ def purge_records(store: LeaseStore, older_than: float) -> int:
 def _check_seconds(name: str, value: object, minimum: float) -> float:
     if isinstance(value, timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+    if not is_number(value) or not value >= minimum:
         raise LeaseConfigurationError(f"{name} must be at least {minimum:g} seconds, got {value!r}")
     return float(value)
 

@@ -50,6 +50,7 @@ from celery_leases.runtime import store_for
 from celery_leases.settings import check_queue_unique
 from celery_leases.signals import lease_claimed, lease_skipped
 from celery_leases.stores.checks import MAX_TTL
+from celery_leases.values import is_number
 
 __all__ = ["COALESCED_ATTRIBUTE", "PUBLISH_WINDOW", "QUEUED_HEADER", "queued_for", "send_unique"]
 
@@ -176,7 +177,7 @@ def _wait_before_run(options: dict[str, Any], zone: tzinfo) -> float:
     """Seconds the message waits on purpose (``countdown`` or ``eta``); a
     naive ``eta`` is in ``zone``, the app's timezone, as Celery reads it."""
     countdown = options.get("countdown")
-    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
+    if is_number(countdown):
         return max(0.0, float(countdown))
     eta = options.get("eta")
     if isinstance(eta, str):

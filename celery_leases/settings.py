@@ -45,6 +45,7 @@ from celery_leases.redact import mask_settings, secrets_of
 
 # the longest lease ttl: one constant for the settings and the stores
 from celery_leases.stores.checks import MAX_TTL
+from celery_leases.values import is_number, is_whole
 
 __all__ = [
     "DEFAULT_QUEUED_FOR",
@@ -101,8 +102,7 @@ def _seconds(
     maximum: float | None = None,
 ) -> float:
     if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
+        not is_number(value)
         or not math.isfinite(value)
         or value < 0
         or (value == 0 and not allow_zero)
@@ -297,7 +297,7 @@ def check_max_takeovers(value: object, name: str) -> int | None:
     """Check a takeover limit (None = no limit); raises LeaseConfigurationError."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_whole(value, 0):
         raise LeaseConfigurationError(
             f"{name} must be a whole number >= 0 or None (no limit), got {value!r}"
         )
@@ -335,11 +335,7 @@ def check_queue_unique(value: object, name: str) -> float | None:
 
 def check_result_max_bytes(value: object, name: str) -> int:
     """Check a result size limit in bytes (0: keep no result); raises LeaseConfigurationError."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not 0 <= value <= MAX_RESULT_MAX_BYTES
-    ):
+    if not is_whole(value, 0, MAX_RESULT_MAX_BYTES):
         raise LeaseConfigurationError(
             f"{name} must be a whole number of bytes from 0 (keep no result) to "
             f"{MAX_RESULT_MAX_BYTES}, got {value!r}"
@@ -370,9 +366,7 @@ def check_republish_options(value: object, name: str) -> Mapping[str, Any]:
     if queue is not None and (not isinstance(queue, str) or not queue.strip()):
         raise LeaseConfigurationError(f"{name}['queue'] must be a queue name, got {queue!r}")
     priority = value.get("priority")
-    if priority is not None and (
-        isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255
-    ):
+    if priority is not None and not is_whole(priority, 0, 255):
         raise LeaseConfigurationError(
             f"{name}['priority'] must be a whole number from 0 to 255, got {priority!r}"
         )

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
 from celery_leases.errors import LeaseConfigurationError, StaleFencingToken
+from celery_leases.values import is_whole
 
 __all__ = [
     # tokens
@@ -119,7 +120,7 @@ def check_token(token: FencingToken) -> tuple[str, int]:
             f"a fenced write needs a token with a non-empty job_id, got {job_id!r}; "
             "pass the task's lease (self.lease) or a Token(job_id, generation)"
         )
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+    if not is_whole(generation, 1):
         raise LeaseConfigurationError(
             f"a fenced write needs a positive integer generation, got {generation!r} "
             f"(job {job_id!r})",

@@ -33,6 +33,7 @@ from celery_leases.fencing import (
     check_token,
     stale_token_error,
 )
+from celery_leases.values import as_text, is_number, is_whole
 
 try:
     import redis
@@ -172,14 +173,10 @@ def fence_key(key: str, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}fence:{{{key}}}"
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _check_expiry(ex: object) -> str:
     if ex is None:
         return ""
-    if isinstance(ex, bool) or not isinstance(ex, (int, float)) or not math.isfinite(ex) or ex <= 0:
+    if not is_number(ex) or not math.isfinite(ex) or ex <= 0:
         raise LeaseConfigurationError(f"ex must be a positive number of seconds, got {ex!r}")
     return str(max(1, round(ex * 1000)))
 
@@ -247,15 +244,15 @@ class RedisFence:
         keys = [self.fence_key(key)] if value_key is None else [self.fence_key(key), value_key]
         reply = script(keys=keys, args=[job_id, str(generation), mode, *args])
         code = int(reply[0])
-        known = _text(reply[1])
+        known = as_text(reply[1])
         if code == 1:
             previous = int(known) if known else None
-            entry_id = _text(reply[2]) or None
+            entry_id = as_text(reply[2]) or None
             return FenceResult(key, job_id, generation, True, previous, entry_id=entry_id)
         if code == 0:
             return FenceResult(key, job_id, generation, False, int(known))
         raise stale_token_error(
-            key, job_id, generation, accepted=int(known), accepted_job=_text(reply[2])
+            key, job_id, generation, accepted=int(known), accepted_job=as_text(reply[2])
         )
 
     def set(
@@ -319,9 +316,7 @@ class RedisFence:
         Raises:
             StaleFencingToken: the token is stale; nothing was appended.
         """
-        if maxlen is not None and (
-            isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1
-        ):
+        if maxlen is not None and not is_whole(maxlen, 1):
             raise LeaseConfigurationError(f"maxlen must be a positive integer, got {maxlen!r}")
         args: list[Value] = ["" if maxlen is None else str(maxlen), *_pairs(fields, "XADD")]
         return self._run(self._xadd, stream, stream, token, on_repeat, args)
@@ -341,4 +336,4 @@ class RedisFence:
         job_id, generation = self.client.hmget(self.fence_key(key), ["job_id", "generation"])
         if generation is None:
             return None
-        return Token(_text(job_id), int(_text(generation)))
+        return Token(as_text(job_id), int(as_text(generation)))

@@ -59,6 +59,7 @@ from celery_leases.stores.results import (
     unreadable,
     unreadable_refusal,
 )
+from celery_leases.values import is_whole
 
 __all__ = [
     "Acquired",
@@ -312,9 +313,7 @@ class LeaseStore(abc.ABC):
         seen in their new form.
         """
         wanted = _check_state(state)
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
-        ):
+        if limit is not None and not is_whole(limit, 0):
             raise LeaseConfigurationError(f"limit must be an integer >= 0, got {limit!r}")
         return self._readable_records(wanted, limit)
 

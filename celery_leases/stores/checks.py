@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from celery_leases.errors import LeaseConfigurationError
+from celery_leases.values import is_number, is_whole
 
 __all__ = [
     "MAX_OUTCOME_BYTES",
@@ -98,11 +99,7 @@ def check_owner(owner: object) -> str:
 
 def check_generation(generation: object) -> int:
     """``generation`` if it is a whole number a store can have handed out."""
-    if (
-        isinstance(generation, bool)
-        or not isinstance(generation, int)
-        or not 1 <= generation <= MAX_GENERATION
-    ):
+    if not is_whole(generation, 1, MAX_GENERATION):
         raise LeaseConfigurationError(
             f"generation must be a positive integer below 2**53, got {generation!r}"
         )
@@ -134,12 +131,7 @@ def ttl_to_ms(ttl: object) -> int:
         LeaseConfigurationError: not a positive finite number, or above
             :data:`MAX_TTL`.
     """
-    if (
-        isinstance(ttl, bool)
-        or not isinstance(ttl, (int, float))
-        or not math.isfinite(ttl)
-        or ttl <= 0
-    ):
+    if not is_number(ttl) or not math.isfinite(ttl) or ttl <= 0:
         raise LeaseConfigurationError(f"ttl must be a positive number of seconds, got {ttl!r}")
     if ttl > MAX_TTL:
         raise LeaseConfigurationError(
@@ -152,12 +144,7 @@ def ttl_to_ms(ttl: object) -> int:
 def check_retention(older_than: object, name: str = "older_than") -> int:
     """``older_than`` seconds in milliseconds, if at least :data:`MIN_RETENTION`;
     the error names it ``name`` (the option or argument as the caller took it)."""
-    if (
-        isinstance(older_than, bool)
-        or not isinstance(older_than, (int, float))
-        or not math.isfinite(older_than)
-        or older_than < MIN_RETENTION
-    ):
+    if not is_number(older_than) or not math.isfinite(older_than) or older_than < MIN_RETENTION:
         raise LeaseConfigurationError(
             f"{name} must be at least {MIN_RETENTION:g} seconds, got "
             f"{older_than!r}: a late duplicate must still find the job completed"

@@ -46,10 +46,11 @@ from celery_leases.stores.redis._connections import (
     check_renew_connections,
     client_options,
 )
-from celery_leases.stores.redis._replies import as_text, escape_glob, evalsha
+from celery_leases.stores.redis._replies import escape_glob, evalsha
 from celery_leases.stores.redis._store import SCAN_BATCH, RedisStore
 from celery_leases.stores.results import RenewRequest
 from celery_leases.urls import url_scheme
+from celery_leases.values import as_text
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
 

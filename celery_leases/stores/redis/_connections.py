@@ -34,9 +34,9 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 from celery_leases import unpatched
 from celery_leases.errors import LeaseConfigurationError, LeaseStoreWarning
 from celery_leases.redact import mask
-from celery_leases.stores.redis._replies import as_text
 from celery_leases.stores.redis._sentinel import SENTINEL_SCHEME, sentinel_client
 from celery_leases.urls import url_scheme
+from celery_leases.values import as_text, is_whole
 
 __all__ = [
     "DEFAULT_SOCKET_TIMEOUT",
@@ -89,7 +89,7 @@ def check_renew_connections(value: object) -> int:
     Raises:
         LeaseConfigurationError: it is not a whole number of at least 1.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_whole(value, 1):
         raise LeaseConfigurationError(
             f"renew_connections must be a whole number of at least 1, got {value!r}"
         )

@@ -42,6 +42,7 @@ from celery_leases.stores.base import (
 )
 from celery_leases.stores.deadline import time_left
 from celery_leases.stores.redis import _scripts as scripts
+from celery_leases.values import as_text
 
 __all__ = ["RAW", "evalsha", "fenced_reply", "raw_command", "renew_result", "run_script"]
 
@@ -167,10 +168,6 @@ def describe_server(client: redis.Redis) -> str:
     scheme = "rediss" if kwargs.get("ssl") else "redis"
     host = kwargs.get("host", "localhost")
     return f"{scheme}://{host}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
-
-
-def as_text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def hash_fields(flat: Sequence[Any]) -> dict[str, Any]:

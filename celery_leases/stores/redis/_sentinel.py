@@ -30,9 +30,6 @@ __all__ = ["SENTINEL_SCHEME", "SentinelUrl", "parse_sentinel_url", "sentinel_cli
 SENTINEL_SCHEME = "sentinel"
 DEFAULT_SENTINEL_PORT = 26379
 
-#: options of ``open_store`` that belong to Sentinel, not to the Redis client
-SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
-
 
 @dataclass(frozen=True)
 class SentinelUrl:

@@ -47,7 +47,6 @@ from celery_leases.stores.redis._connections import (
 from celery_leases.stores.redis._errors import DriverErrors
 from celery_leases.stores.redis._operator_scripts import FORCE_RELEASE_SCRIPT, PURGE_ONE_SCRIPT
 from celery_leases.stores.redis._replies import (
-    as_text,
     describe_server,
     escape_glob,
     fenced_reply,
@@ -57,6 +56,7 @@ from celery_leases.stores.redis._replies import (
     renew_result,
     run_script,
 )
+from celery_leases.values import as_text
 
 __all__ = ["SCAN_BATCH", "RedisStore"]
 

@@ -41,6 +41,7 @@ from celery_leases.stores.sql._table import (
     lease_table,
     missing_parts,
 )
+from celery_leases.values import is_number
 
 #: engines of open stores; a forked child must not reuse their connections
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -230,11 +231,7 @@ def ping_when_idle(engine: Engine, idle: float = PING_AFTER_IDLE) -> None:
 
 
 def check_timeout(timeout: object) -> float:
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout <= 3600
-    ):
+    if not is_number(timeout) or not 0 < timeout <= 3600:
         raise LeaseConfigurationError(
             f"timeout must be a number of seconds above 0 and at most 3600, got {timeout!r}"
         )

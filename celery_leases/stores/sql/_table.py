@@ -20,6 +20,7 @@ from sqlalchemy.sql.expression import ColumnElement, FromClause
 from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import LeaseRecord, LeaseState, unreadable
 from celery_leases.stores.sql._indexes import indexes_in, lease_indexes
+from celery_leases.values import is_whole
 
 DEFAULT_TABLE_NAME = "celery_leases"
 
@@ -432,7 +433,7 @@ def record_of(row: Mapping[Any, Any], where: str) -> LeaseRecord:
 
 def _whole(row: Mapping[Any, Any], name: str) -> int:
     value = row[name]
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_whole(value):
         raise ValueError(f"{name} is {value!r}, not a whole number")
     return value
 
