@@ -18,10 +18,12 @@ from celery_leases import (
     Acquired,
     AlreadyCompleted,
     Completed,
+    LeaseRecordUnreadable,
     LeaseState,
     Refusal,
     RefusalReason,
     Renewed,
+    RenewRequest,
     StoreUnavailable,
 )
 from celery_leases.stores.deadline import bounded
@@ -201,3 +203,28 @@ def test_foreign_keys_under_the_prefix_are_skipped_by_records_and_purge(
     assert store.purge(60) == 0
     assert raw.get(store.key("a-string")) == b"not a record"
     assert raw.llen(store.key("a-list")) == 3
+
+
+def test_the_scripts_take_a_key_of_another_type_as_unreadable_and_leave_it(
+    store: RedisStore, raw: redis.Redis
+) -> None:
+    """The claim reads a record with HGETALL, the fenced scripts with HMGET:
+    both answer WRONGTYPE on a string key, which each script reports as a
+    record it cannot read, and none changes the key."""
+    key = store.key("a-string")
+    raw.set(key, "not a record")
+    calls = {
+        "claim": lambda: store.claim("a-string", A, 30),
+        "renew": lambda: store.renew("a-string", A, 1, 30),
+        "complete": lambda: store.complete("a-string", A, 1),
+        "release": lambda: store.release("a-string", A, 1),
+        "force_release": lambda: store.force_release("a-string", by="ops", reason="test"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(LeaseRecordUnreadable, match="a-string"):
+            call()
+        assert raw.get(key) == b"not a record", name
+    [refused] = store.renew_many([RenewRequest("a-string", A, 1, 30)])
+    assert isinstance(refused, Refusal)
+    assert refused.reason is RefusalReason.UNREADABLE
+    assert raw.get(key) == b"not a record"

@@ -50,6 +50,16 @@ local function readable(f)
     and (f[5] == nil or whole(f[5]))
     and (state == 'held' or state == 'released' or state == 'completed')
 end
+-- The reply of a read command on key, or false when key is of another type
+-- (WRONGTYPE). Any other error, such as a Cluster key this node does not
+-- serve, stops the script.
+local function read(command, key, ...)
+  local reply = redis.pcall(command, key, ...)
+  if reply.err and not string.find(reply.err, 'WRONGTYPE', 1, true) then
+    error(reply)
+  end
+  return not reply.err and reply
+end
 -- A record's fields by name.
 local function named(f)
   return {owner = f[1], generation_text = f[2], generation = tonumber(f[2]), state = f[3],
@@ -62,18 +72,13 @@ end
 # release, the operator's scripts).
 READ = """
 -- The fields of the record at key: nil when there is none, false when it
--- cannot be read. One HMGET answers for a readable record; a key of another
--- type answers WRONGTYPE (any other error, such as a Cluster key this node
--- does not serve, stops the script), and a record without an owner is looked
--- at again.
+-- cannot be read. One HMGET answers for a readable record; a record without
+-- an owner is looked at again.
 local function fields(key)
-  local f = redis.pcall('HMGET', key, 'owner', 'generation', 'state', 'lease_until',
+  local f = read('HMGET', key, 'owner', 'generation', 'state', 'lease_until',
     'takeovers', 'send_id', 'renew_count', 'task_id', 'outcome')
-  if f.err then
-    if string.find(f.err, 'WRONGTYPE', 1, true) then
-      return false
-    end
-    error(f)
+  if not f then
+    return false
   end
   if not f[1] and redis.call('EXISTS', key) == 0 then
     return nil
@@ -97,12 +102,9 @@ local function all_fields(key)
   if redis.call('EXISTS', key) == 0 then
     return nil
   end
-  local flat = redis.pcall('HGETALL', key)
-  if flat.err then
-    if string.find(flat.err, 'WRONGTYPE', 1, true) then
-      return false
-    end
-    error(flat)
+  local flat = read('HGETALL', key)
+  if not flat then
+    return false
   end
   local h = {}
   for i = 1, #flat, 2 do
@@ -336,4 +338,4 @@ return 1
 #: reply codes of the fenced scripts and of the force release
 DONE, MISSING, REFUSED, UNREADABLE = 1, 0, 2, 3
 #: reply codes of the claim
-ACQUIRED, HELD_ELSEWHERE, ALREADY_COMPLETED, CLAIM_UNREADABLE = 1, 2, 3, 4
+HELD_ELSEWHERE, ALREADY_COMPLETED, CLAIM_UNREADABLE = 2, 3, 4
