@@ -83,39 +83,30 @@ STORE_CHECK_TIMEOUT = 10.0
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 
+#: the worker's lease options: name, type, help
+_OPTIONS = (
+    ("--leases-store", str, "Lease store URL (overrides the leases_store setting)."),
+    ("--leases-ttl", float, "Lease time in seconds (overrides the leases_ttl setting)."),
+    (
+        "--leases-metrics-port",
+        int,
+        "Serve Prometheus metrics on this port, 0 for a free one (shown in the "
+        "banner); overrides the leases_metrics_port setting.",
+    ),
+)
+
 
 def install(app: Any) -> None:
     """Add the CLI options and the bootstep to ``app``; idempotent per app."""
     if app in _installed:
         return
     _installed.add(app)
-    app.user_options["worker"].add(
-        CeleryOption(
-            ["--leases-store"],
-            default=None,
-            help="Lease store URL (overrides the leases_store setting).",
-            help_group="Lease Options",
+    for option, kind, help_text in _OPTIONS:
+        app.user_options["worker"].add(
+            CeleryOption(
+                [option], type=kind, default=None, help=help_text, help_group="Lease Options"
+            )
         )
-    )
-    app.user_options["worker"].add(
-        CeleryOption(
-            ["--leases-ttl"],
-            type=float,
-            default=None,
-            help="Lease time in seconds (overrides the leases_ttl setting).",
-            help_group="Lease Options",
-        )
-    )
-    app.user_options["worker"].add(
-        CeleryOption(
-            ["--leases-metrics-port"],
-            type=int,
-            default=None,
-            help="Serve Prometheus metrics on this port, 0 for a free one (shown in the "
-            "banner); overrides the leases_metrics_port setting.",
-            help_group="Lease Options",
-        )
-    )
     app.steps["worker"].add(LeasesStep)
     worker_process_init.connect(on_process_init, weak=False, dispatch_uid="celery_leases.init")
     worker_process_shutdown.connect(
