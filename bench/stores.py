@@ -64,6 +64,7 @@ from celery_leases import (  # noqa: E402 - needs ROOT on sys.path
     RenewRequest,
     open_store,
 )
+from celery_leases.values import as_text  # noqa: E402
 from tests.servers import (  # noqa: E402
     MariadbServer,
     PostgresServer,
@@ -612,7 +613,7 @@ def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) ->
     from celery_leases.stores.redis._scripts import CLAIM_SCRIPT, COMPLETE_SCRIPT
 
     client, _ = _redis_client(store, url)
-    shas = (_text(client.script_load(CLAIM_SCRIPT)), _text(client.script_load(COMPLETE_SCRIPT)))
+    shas = (as_text(client.script_load(CLAIM_SCRIPT)), as_text(client.script_load(COMPLETE_SCRIPT)))
     samples: dict[str, list[tuple[float, float, float]]] = {}
     for _ in range(rounds):
         for name, value in _redis_split_round(store, client, n, ttl, shas).items():
@@ -622,10 +623,6 @@ def split_redis(store: LeaseStore, url: str, n: int, rounds: int, ttl: float) ->
     for name, values in samples.items():
         total, cpu, inside = (_median([v[i] for v in values]) for i in range(3))
         print(f"  {name:<26} {total:>7.0f} {cpu:>11.1f} {inside:>9.1f}")
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class _DriverClock:
