@@ -33,6 +33,7 @@ from celery_leases.fencing import (
     check_token,
     stale_token_error,
 )
+from celery_leases.stores.checks import MAX_GENERATION
 from celery_leases.values import as_text, is_number, is_whole
 
 try:
@@ -46,9 +47,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = ["DEFAULT_PREFIX", "RedisFence", "fence_key"]
 
 DEFAULT_PREFIX = "celery_leases:"
-
-#: Lua numbers are doubles: integers above 2**53 would compare wrongly.
-MAX_GENERATION = 2**53
 
 Value = str | bytes | int | float
 
@@ -234,7 +232,7 @@ class RedisFence:
         args: Sequence[Value],
     ) -> FenceResult:
         job_id, generation = check_token(token)
-        if generation >= MAX_GENERATION:
+        if generation > MAX_GENERATION:  # Lua numbers are doubles
             raise LeaseConfigurationError(
                 f"generation {generation} is too large for a Redis fence (limit 2**53)",
                 job_id=job_id,
