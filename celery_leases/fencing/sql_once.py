@@ -44,7 +44,7 @@ from celery_leases.stores.base import (
     Refusal,
     RenewResult,
 )
-from celery_leases.stores.sql import IDLE_LIMITS, permanent
+from celery_leases.stores.sql import IDLE_LIMITS, mysql_error_number, permanent
 
 __all__ = [
     "IdleLimit",
@@ -312,7 +312,6 @@ def _missing_table(error: exc.DBAPIError) -> bool:
     # PostgreSQL's undefined_table, MySQL's ER_NO_SUCH_TABLE, SQLite's message
     if getattr(orig, "sqlstate", None) == "42P01":
         return True
-    args = getattr(orig, "args", ())
-    if args and args[0] == 1146:
+    if mysql_error_number(orig) == 1146:
         return True
     return "no such table" in str(orig)

@@ -37,7 +37,13 @@ record, see :meth:`LeaseStore.complete`), never a claim or a release.
 from __future__ import annotations
 
 from celery_leases.stores.sql._engine import create_table
-from celery_leases.stores.sql._errors import permanent, reason, refused_for_good
+from celery_leases.stores.sql._errors import (
+    MYSQL_DEADLOCK,
+    mysql_error_number,
+    permanent,
+    reason,
+    refused_for_good,
+)
 from celery_leases.stores.sql._indexes import indexes_in
 from celery_leases.stores.sql._operations import CLAIM_ATTEMPTS
 from celery_leases.stores.sql._pool import MAX_OVERFLOW, POOL_SIZE, pool_capacity
@@ -85,6 +91,8 @@ __all__ = [
     "IDLE_LIMITS",
     "key_text",
     # judging driver errors
+    "MYSQL_DEADLOCK",
+    "mysql_error_number",
     "permanent",
     "reason",
     "refused_for_good",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from sqlalchemy import exc
 
 from celery_leases.errors import LeaseConfigurationError, LeaseError, StoreUnavailable
+from celery_leases.values import is_whole
 
 #: the driver errors a store call turns into a LeaseError
 DRIVER_ERRORS = (exc.StatementError, exc.TimeoutError)
@@ -20,6 +21,9 @@ _PERMANENT_SQLSTATES = ("3D000", "42501")
 #: wrong password, unknown database, no rights on the table or a column,
 #: a privilege missing, no such table or column
 _PERMANENT_MYSQL_ERRORS = (1044, 1045, 1049, 1142, 1143, 1227, 1146, 1054)
+
+#: MySQL's error number of a transaction InnoDB ended as a deadlock (rolled back)
+MYSQL_DEADLOCK = 1213
 
 #: what drivers say when they give no SQLSTATE (a failed connection attempt)
 _PERMANENT_MESSAGES = (
@@ -62,14 +66,20 @@ def refused_for_good(error: BaseException) -> bool:
     """Whether a driver's operational error (``orig`` of SQLAlchemy's, the
     cause of a framework's) is a refusal that trying again cannot change:
     credentials, rights, a missing database or table."""
-    number = next(iter(getattr(error, "args", ())), None)
-    if isinstance(number, int) and not isinstance(number, bool):  # PyMySQL: (errno, message)
+    number = mysql_error_number(error)
+    if number is not None:
         return number in _PERMANENT_MYSQL_ERRORS
     sqlstate = getattr(error, "sqlstate", None)
     if isinstance(sqlstate, str) and sqlstate:
         return sqlstate.startswith("28") or sqlstate in _PERMANENT_SQLSTATES
     text = str(error).lower()
     return any(message in text for message in _PERMANENT_MESSAGES)
+
+
+def mysql_error_number(error: object) -> int | None:
+    """MySQL's error number of a driver error (PyMySQL's are ``(errno, message)``), or None."""
+    number = next(iter(getattr(error, "args", ())), None)
+    return number if is_whole(number) else None
 
 
 def reason(error: BaseException) -> str:

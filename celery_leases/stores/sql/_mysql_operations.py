@@ -56,25 +56,18 @@ from celery_leases.stores.base import (
     ttl_to_ms,
     unreadable_refusal,
 )
+from celery_leases.stores.sql._errors import MYSQL_DEADLOCK, mysql_error_number
 from celery_leases.stores.sql._operations import CLAIM_ATTEMPTS, Operations
 from celery_leases.stores.sql._statements import Statements
 from celery_leases.stores.sql._table import MYSQL_ROW_EXISTED, SqlDialect, lock_on_duplicate
 
 __all__ = ["MysqlOperations"]
 
-#: MySQL's error number of a transaction ended as a deadlock
-_DEADLOCK = 1213
-
 #: what a completion or a release returns when it applied
 _Written = TypeVar("_Written", Completed, Released)
 
 #: records locked by one SELECT of a batch renewal
 _BATCH_CHUNK = 500
-
-
-def _error_number(error: exc.DBAPIError) -> int | None:
-    args = getattr(error.orig, "args", ())
-    return args[0] if args and isinstance(args[0], int) else None
 
 
 def _claim_upsert(t: sa.Table, dialect: SqlDialect) -> Any:
@@ -193,7 +186,7 @@ class MysqlOperations(Operations):
                 with engine.begin() as conn:
                     return self._claim_locked(conn, parameters)
             except exc.OperationalError as error:
-                if _error_number(error) != _DEADLOCK:
+                if mysql_error_number(error.orig) != MYSQL_DEADLOCK:
                     raise
         raise self._undecided(parameters)
 

@@ -24,15 +24,13 @@ from sqlalchemy.engine import Connection, Engine
 
 from celery_leases.errors import StoreUnavailable
 from celery_leases.stores.queued import QueuedMark
+from celery_leases.stores.sql._errors import MYSQL_DEADLOCK, mysql_error_number
 
 __all__ = ["MARK_ATTEMPTS", "QueuedMarks", "queued_table"]
 
 #: tries of one mark: the row read after the upsert can be gone (its run
 #: claimed it), and InnoDB may end a transaction of a race as a deadlock
 MARK_ATTEMPTS = 5
-
-#: MySQL's error number of a transaction ended as a deadlock (rolled back)
-_MYSQL_DEADLOCK = 1213
 
 
 def queued_table(metadata: sa.MetaData, lease_table: sa.Table) -> sa.Table:
@@ -136,7 +134,7 @@ class QueuedMarks:
             try:
                 mark: QueuedMark | None = in_write(self._mark, parameters)
             except exc.OperationalError as error:
-                if getattr(error.orig, "args", (None,))[:1] != (_MYSQL_DEADLOCK,):
+                if mysql_error_number(error.orig) != MYSQL_DEADLOCK:
                     raise
                 continue  # the server rolled the transaction back: nothing was written
             if mark is not None:
