@@ -46,11 +46,10 @@ from celery_leases.stores.redis._connections import (
     check_renew_connections,
     client_options,
 )
-from celery_leases.stores.redis._replies import escape_glob, evalsha
+from celery_leases.stores.redis._replies import evalsha, scan_record_keys
 from celery_leases.stores.redis._store import SCAN_BATCH, RedisStore
 from celery_leases.stores.results import RenewRequest
 from celery_leases.urls import url_scheme
-from celery_leases.values import as_text
 
 __all__ = ["CLUSTER_SCHEMES", "RedisClusterStore"]
 
@@ -164,20 +163,9 @@ class RedisClusterStore(RedisStore):
 
     def _scan_keys(self) -> Iterator[list[str]]:
         """Batches of record keys under the prefix, primary after primary."""
-        pattern = escape_glob(self.prefix) + "{*}"
-        seen: set[str] = set()
-        for node in self._cluster.get_primaries():  # type: ignore[no-untyped-call]
-            client = node.redis_connection
-            cursor = 0
-            while True:
-                next_cursor, keys = client.scan(cursor, match=pattern, count=SCAN_BATCH)
-                cursor = int(next_cursor)
-                batch = [k for k in (as_text(key) for key in keys) if k not in seen]
-                seen.update(batch)
-                if batch:
-                    yield batch
-                if cursor == 0:
-                    break
+        primaries = self._cluster.get_primaries()  # type: ignore[no-untyped-call]
+        clients = (node.redis_connection for node in primaries)
+        return scan_record_keys(clients, self.prefix, SCAN_BATCH)
 
     def _renew_chunks(self, requests: Sequence[RenewRequest]) -> list[list[int]]:
         """The requests' indexes by the node serving their keys, in chunks."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -298,3 +298,21 @@ def permanent(exc: RedisError) -> bool:
 def escape_glob(text: str) -> str:
     """``text`` with the glob characters of SCAN MATCH escaped."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def scan_record_keys(clients: Iterable[Any], prefix: str, count: int) -> Iterator[list[str]]:
+    """Batches of the record keys under ``prefix`` (``<prefix>{<job id>}``) on
+    each client in turn, each key once (SCAN may return a key twice)."""
+    pattern = escape_glob(prefix) + "{*}"
+    seen: set[str] = set()
+    for client in clients:
+        cursor = 0
+        while True:
+            next_cursor, keys = client.scan(cursor, match=pattern, count=count)
+            cursor = int(next_cursor)
+            batch = [k for k in (as_text(key) for key in keys) if k not in seen]
+            seen.update(batch)
+            if batch:
+                yield batch
+            if cursor == 0:
+                break

@@ -48,13 +48,13 @@ from celery_leases.stores.redis._errors import DriverErrors
 from celery_leases.stores.redis._operator_scripts import FORCE_RELEASE_SCRIPT, PURGE_ONE_SCRIPT
 from celery_leases.stores.redis._replies import (
     describe_server,
-    escape_glob,
     fenced_reply,
     hash_fields,
     raw_command,
     record_of,
     renew_result,
     run_script,
+    scan_record_keys,
 )
 from celery_leases.values import as_text
 
@@ -312,18 +312,7 @@ class RedisStore(RedisBatches, LeaseStore):
 
     def _scan_keys(self) -> Iterator[list[str]]:
         """Batches of record keys under the prefix, each key once."""
-        pattern = escape_glob(self.prefix) + "{*}"
-        seen: set[str] = set()
-        cursor = 0
-        while True:
-            next_cursor, keys = self._client.scan(cursor, match=pattern, count=SCAN_BATCH)
-            cursor = int(next_cursor)
-            batch = [k for k in (as_text(key) for key in keys) if k not in seen]
-            seen.update(batch)
-            if batch:
-                yield batch
-            if cursor == 0:
-                return
+        return scan_record_keys([self._client], self.prefix, SCAN_BATCH)
 
     def _job_id(self, key: str) -> str:
         return key[len(self.prefix) + 1 : -1]
