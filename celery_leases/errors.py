@@ -17,8 +17,10 @@ __all__ = [
     "LeaseLost",
     "LeaseRecordUnreadable",
     "LeaseSkipped",
+    "ResultUnavailable",
     "StaleFencingToken",
     "StoreUnavailable",
+    "TakeoverLimitExceeded",
 ]
 
 
@@ -192,9 +194,6 @@ class TakeoverLimitExceeded(LeaseError):
         self.limit = limit
 
 
-__all__ += ["TakeoverLimitExceeded"]
-
-
 class ResultUnavailable(LeaseError):
     """A job is completed, but its result can be found nowhere.
 
@@ -204,9 +203,6 @@ class ResultUnavailable(LeaseError):
     large or could not be serialized to keep with the completion), the copy
     fails with this error rather than leave the client waiting forever.
     """
-
-
-__all__ += ["ResultUnavailable"]
 
 
 def _rebuild(cls: type[LeaseError], args: tuple[Any, ...], state: dict[str, Any]) -> LeaseError:
