@@ -128,14 +128,20 @@ def test_every_column_of_the_list_is_in_view_at_1400_px(
     # the page as a browser gets it, with the admin's own style sheets (the
     # shop serves no static files: its pages name them relative, admin/css/...)
     (tmp_path / "admin").symlink_to(Path(django.contrib.admin.__file__).parent / "static" / "admin")
+    # measured once the page has loaded: the admin's deferred scripts have
+    # run by then, and the navigation sidebar is open, as on a first visit
     measure = """<script>
-      const results = document.querySelector('#changelist .results');
-      const edge = Math.min(window.innerWidth, results.getBoundingClientRect().right);
-      const headers = [...document.querySelectorAll('#result_list thead th')];
-      document.body.dataset.columns = JSON.stringify(headers.map(th => th.textContent.trim()));
-      document.body.dataset.cut = JSON.stringify(headers
-        .filter(th => th.getBoundingClientRect().right > edge + 0.5)
-        .map(th => th.textContent.trim()));
+      window.addEventListener('load', () => {
+        const results = document.querySelector('#changelist .results');
+        const edge = Math.min(window.innerWidth, results.getBoundingClientRect().right);
+        const headers = [...document.querySelectorAll('#result_list thead th')];
+        document.body.dataset.columns = JSON.stringify(headers.map(th => th.textContent.trim()));
+        document.body.dataset.cut = JSON.stringify(headers
+          .filter(th => th.getBoundingClientRect().right > edge + 0.5)
+          .map(th => th.textContent.trim()));
+        document.body.dataset.sidebar = JSON.stringify(
+          document.querySelector('#main').classList.contains('shifted'));
+      });
     </script>"""
     (tmp_path / "list.html").write_text(page.replace("</body>", f"{measure}</body>"))
     dom = chromium(
@@ -143,12 +149,13 @@ def test_every_column_of_the_list_is_in_view_at_1400_px(
     )
     found = {
         name: json.loads(value.replace("&quot;", '"'))
-        for name, value in re.findall(r'data-(columns|cut)="([^"]*)"', dom)
+        for name, value in re.findall(r'data-(columns|cut|sidebar)="([^"]*)"', dom)
     }
     assert [c.lower() for c in found["columns"][1:]] == [
         "job id", "state", "task name", "task id", "generation", "holder",
         "lease until (utc)", "expired", "left", "queued",
     ]  # fmt: skip
+    assert found["sidebar"] is True  # the navigation beside the list takes its room
     assert found["cut"] == [], dom[:2000]
 
 
