@@ -138,6 +138,10 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
+        # bound to its app, a task has its final options (task_annotations
+        # applied) and its name (a task class registered without one)
+        name = cls.name or cls.__qualname__
+        check_queue_unique_key(name, cls.lease_queue_unique, cls.lease_key)
         app_bound(app)  # the worker integration installs its bootstep on this
 
     def apply_async(

@@ -84,3 +84,28 @@ def test_a_base_class_leaves_the_key_to_its_tasks(app: Celery) -> None:
         @app.task(shared=False, base=Unique, bind=True, name="reports.keyless")
         def keyless(self: LeasedTask) -> None:
             pass
+
+
+def test_an_option_given_by_task_annotations_is_refused_where_the_task_is_bound(
+    app: Celery,
+) -> None:
+    app.conf.task_annotations = {"reports.build": {"lease_queue_unique": True}}
+    with pytest.raises(
+        LeaseConfigurationError,
+        match=r"task 'reports\.build' sets lease_queue_unique but no lease_key",
+    ):
+        _define(app)
+
+
+def test_a_task_class_registered_without_a_name_is_refused_at_its_registration(
+    app: Celery,
+) -> None:
+    class Nightly(LeasedTask):  # type: ignore[misc]
+        lease_queue_unique = True  # no name yet: the registration gives it
+
+        def run(self) -> None:
+            pass
+
+    app.conf.leases_store = "memory://"
+    with pytest.raises(LeaseConfigurationError, match=r"Nightly' sets lease_queue_unique"):
+        app.register_task(Nightly())
