@@ -27,6 +27,13 @@ __all__ = [
 class LeaseError(Exception):
     """Root of every error raised by celery-leases.
 
+    Each error's ``args`` are its message and then its attributes, in the
+    order its constructor takes them, so ``type(error)(*error.args)`` makes
+    the same error: that is how Celery's result backends rebuild an error
+    stored with the json serializer (``exception_to_python``), and a
+    client's ``AsyncResult.result`` keeps the attributes. ``str(error)``
+    is the message alone.
+
     Attributes:
         job_id: the job the error is about, when there is one.
         owner: the owner token involved, when there is one.
@@ -36,20 +43,25 @@ class LeaseError(Exception):
     def __init__(
         self,
         message: str,
-        *,
         job_id: str | None = None,
         owner: str | None = None,
         generation: int | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, job_id, owner, generation)
         self.job_id = job_id
         self.owner = owner
         self.generation = generation
 
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
     def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuild with the same class and attributes: the default pickling
-        # calls cls(message) and drops them. A result backend that stores the
-        # error (and serializers that call cls(*args)) must get it back whole.
+        # Rebuild with the same class and attributes without calling the
+        # constructor, so a subclass whose constructor takes other
+        # arguments pickles whole too.
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
@@ -59,36 +71,37 @@ class LeaseHeld(LeaseError):
     Attributes:
         holder: owner token of the worker that holds the lease.
         remaining: seconds left on the holder's lease, by the store's clock.
+        holder_task_id: the task id of the run that holds the job ("" when
+            not known).
     """
 
     def __init__(
         self,
         message: str,
-        *,
         job_id: str | None = None,
         holder: str = "",
         generation: int | None = None,
         remaining: float = 0.0,
+        holder_task_id: str = "",
     ) -> None:
         super().__init__(message, job_id=job_id, owner=holder, generation=generation)
+        self.args = (message, job_id, holder, generation, remaining, holder_task_id)
         self.holder = holder
         self.remaining = remaining
+        self.holder_task_id = holder_task_id
 
 
 class LeaseSkipped(LeaseHeld):
     """A call was not run because another send held its job (``lease_on_busy="skip"``).
 
     The call's message is acknowledged and not published again; this error
-    is its result (state ``FAILURE``), so ``result.get()`` raises it at once.
+    is its result (state ``FAILURE``), so ``result.get()`` raises it at once,
+    and ``result.get(propagate=False)`` returns it, with its attributes,
+    through the json serializer as through pickle.
 
-    Attributes:
-        holder_task_id: the task id of the run that holds the job ("" when
-            the store does not know it).
+    Its ``holder_task_id`` is the task id of the run that holds the job
+    ("" when the store does not know it).
     """
-
-    def __init__(self, message: str, *, holder_task_id: str = "", **held: Any) -> None:
-        super().__init__(message, **held)
-        self.holder_task_id = holder_task_id
 
 
 class LeaseLost(LeaseError):
@@ -110,13 +123,13 @@ class LeaseLost(LeaseError):
     def __init__(
         self,
         message: str,
-        *,
         job_id: str | None = None,
         owner: str | None = None,
         generation: int | None = None,
         reason: str = "",
     ) -> None:
         super().__init__(message, job_id=job_id, owner=owner, generation=generation)
+        self.args = (*self.args, reason)
         self.reason = reason
 
 
@@ -131,13 +144,13 @@ class StaleFencingToken(LeaseError):
     def __init__(
         self,
         message: str,
-        *,
         job_id: str | None = None,
         generation: int | None = None,
         resource: str = "",
         accepted: int | None = None,
     ) -> None:
         super().__init__(message, job_id=job_id, generation=generation)
+        self.args = (message, job_id, generation, resource, accepted)
         self.resource = resource
         self.accepted = accepted
 
@@ -182,7 +195,6 @@ class TakeoverLimitExceeded(LeaseError):
     def __init__(
         self,
         message: str,
-        *,
         job_id: str | None = None,
         owner: str | None = None,
         generation: int | None = None,
@@ -190,6 +202,7 @@ class TakeoverLimitExceeded(LeaseError):
         limit: int = 0,
     ) -> None:
         super().__init__(message, job_id=job_id, owner=owner, generation=generation)
+        self.args = (*self.args, takeovers, limit)
         self.takeovers = takeovers
         self.limit = limit
 

@@ -52,7 +52,14 @@ from celery_leases.signals import lease_claimed, lease_skipped
 from celery_leases.stores.checks import MAX_TTL
 from celery_leases.values import is_number
 
-__all__ = ["COALESCED_ATTRIBUTE", "PUBLISH_WINDOW", "QUEUED_HEADER", "queued_for", "send_unique"]
+__all__ = [
+    "COALESCED_ATTRIBUTE",
+    "PUBLISH_WINDOW",
+    "QUEUED_HEADER",
+    "check_queue_unique_key",
+    "queued_for",
+    "send_unique",
+]
 
 logger = logging.getLogger("celery_leases")
 
@@ -74,15 +81,37 @@ def queued_for(task: Any) -> float | None:
     """How long ``task``'s queued marks last at most (seconds); ``None``: off.
 
     Raises:
-        LeaseConfigurationError: the option is invalid, or set on a task
-            without a ``lease_key`` (each send would be a key of its own).
+        LeaseConfigurationError: see :func:`check_queue_unique_key`.
     """
-    bound = check_queue_unique(task.lease_queue_unique, f"{task.name}.lease_queue_unique")
-    if bound is not None and type(task).lease_key is None:
+    return check_queue_unique_key(task.name, task.lease_queue_unique, type(task).lease_key)
+
+
+def check_queue_unique_key(name: str, queue_unique: object, lease_key: object) -> float | None:
+    """Check the ``lease_queue_unique`` of the task ``name`` with its ``lease_key``.
+
+    Returns:
+        How long its queued marks last at most (seconds); ``None``: off.
+
+    Raises:
+        LeaseConfigurationError: the option is invalid, or the task has no
+            usable key: no ``lease_key`` (each send would be a key of its
+            own), an empty one, or one that is neither a format string
+            nor a callable (no send could build a key).
+    """
+    bound = check_queue_unique(queue_unique, f"{name}.lease_queue_unique")
+    if bound is None:
+        return None
+    if lease_key is None:
         raise LeaseConfigurationError(
-            f"task {task.name!r} sets lease_queue_unique but no lease_key: under the "
+            f"task {name!r} sets lease_queue_unique but no lease_key: under the "
             "default key every send is a job of its own; set lease_key to what makes "
             "two calls the same job (for example lease_key='report-{user_id}')"
+        )
+    if lease_key == "" or not (isinstance(lease_key, str) or callable(lease_key)):
+        raise LeaseConfigurationError(
+            f"task {name!r} sets lease_queue_unique with lease_key={lease_key!r}, from which "
+            "no send can build a key; set lease_key to a non-empty format string or a "
+            "callable (for example lease_key='report-{user_id}')"
         )
     return bound
 

@@ -47,7 +47,7 @@ from celery_leases.lease import Lease, make_owner
 from celery_leases.losses import fenced_out, react_to_loss, reject_poison
 from celery_leases.notify import notify
 from celery_leases.publish import DEFERRALS_HEADER
-from celery_leases.queue_unique import send_unique
+from celery_leases.queue_unique import check_queue_unique_key, send_unique
 from celery_leases.run_steps import (
     UNKNOWN_COMPLETION,
     answer_completed,
@@ -74,6 +74,7 @@ from celery_leases.settings import (
     check_max_takeovers,
     check_on_busy,
     check_on_lost,
+    check_queue_unique,
 )
 from celery_leases.stores.base import Acquired, AlreadyCompleted, HeldElsewhere, Refusal
 
@@ -125,14 +126,22 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         # ``@app.task(base=LeasedTask, ...)`` makes a subclass: a wrong mode
         # is refused where the task is defined, not at its first call
         super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name") or cls.__qualname__
         if cls.lease_on_busy is not None:
-            name = cls.__dict__.get("name") or cls.__qualname__
             check_on_busy(cls.lease_on_busy, f"{name}.lease_on_busy")
+        if "name" in cls.__dict__:  # a task, whose key is known by now
+            check_queue_unique_key(name, cls.lease_queue_unique, cls.lease_key)
+        else:  # a base class may leave the key to its tasks
+            check_queue_unique(cls.lease_queue_unique, f"{name}.lease_queue_unique")
         if not issubclass(LeaseSkipped, tuple(cls.throws)):
             cls.throws = (*cls.throws, LeaseSkipped)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
+        # bound to its app, a task has its final options (task_annotations
+        # applied) and its name (a task class registered without one)
+        name = cls.name or cls.__qualname__
+        check_queue_unique_key(name, cls.lease_queue_unique, cls.lease_key)
         app_bound(app)  # the worker integration installs its bootstep on this
 
     def apply_async(

@@ -96,6 +96,8 @@ class AcceptanceConfig:
             event, and a fenced-out run a ``fenced-out`` event, each with
             ``past_deadline``: how many seconds after the lease's local
             deadline the run got there (negative: before it).
+        result_serializer: ``result_serializer`` of the worker and the
+            client (the client also accepts results in it).
     """
 
     broker: str
@@ -120,6 +122,7 @@ class AcceptanceConfig:
     keep_invisible: bool = False
     slow_claimed: bool = False
     timed_endings: bool = False
+    result_serializer: str = "json"
 
     def to_env(self) -> dict[str, str]:
         """This configuration as the environment variables a worker reads."""
@@ -158,6 +161,8 @@ class AcceptanceConfig:
             env["LEASES_TEST_SLOW_CLAIMED"] = "1"
         if self.timed_endings:
             env["LEASES_TEST_TIMED_ENDINGS"] = "1"
+        if self.result_serializer != "json":
+            env["LEASES_TEST_RESULT_SERIALIZER"] = self.result_serializer
         return env
 
 
@@ -197,6 +202,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> AcceptanceConfig:
         keep_invisible=env.get("LEASES_TEST_KEEP_INVISIBLE") == "1",
         slow_claimed=env.get("LEASES_TEST_SLOW_CLAIMED") == "1",
         timed_endings=env.get("LEASES_TEST_TIMED_ENDINGS") == "1",
+        result_serializer=env.get("LEASES_TEST_RESULT_SERIALIZER", "json"),
     )
 
 
@@ -242,6 +248,9 @@ def make_app(config: AcceptanceConfig) -> Celery:
         celery_app.conf.task_acks_on_timeout = config.acks_on_timeout
     if config.keep_invisible:
         celery_app.conf.leases_broker_keep_invisible = True
+    if config.result_serializer != "json":
+        celery_app.conf.result_serializer = config.result_serializer
+        celery_app.conf.result_accept_content = ["json", config.result_serializer]
     _register_tasks(celery_app, config)
     return celery_app
 

@@ -124,6 +124,40 @@ def test_a_killed_holder_lets_the_next_call_run_once_its_lease_runs_out(
     assert all(error.holder_task_id == holder.id or holder.id in str(error) for error in skipped)
 
 
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_a_skipped_calls_answer_names_the_holder_and_the_job_through_the_result_backend(
+    cluster: Cluster, serializer: str
+) -> None:
+    """A client that looks the skipped call up by its id (another process,
+    say) gets ``LeaseSkipped`` back from the Redis result backend with the
+    holder's task id, the job id and the generation as attributes, under the
+    json serializer (which stores an error as its class name and args) as
+    under pickle."""
+    cluster.configure(result_serializer=serializer)
+    workers = [cluster.worker("a"), cluster.worker("b")]
+    holder = cluster.send(BEAT, 120.0)
+    [started] = cluster.side.wait_event(holder.id, "start", timeout=WAIT)
+    held = cluster.wait_record("beat", timeout=WAIT, message="the lease", state=LeaseState.HELD)
+    call = cluster.send(BEAT, 0.1)
+
+    lookup = cluster.new_app().AsyncResult(call.id)
+    answer = lookup.get(timeout=WAIT, propagate=False)
+    assert isinstance(answer, LeaseSkipped), answer
+    answer.with_traceback(None)
+    assert lookup.state == "FAILURE"
+    assert isinstance(lookup.result, LeaseSkipped)
+    for error in (answer, lookup.result):
+        assert error.holder_task_id == holder.id
+        assert error.job_id == "beat"
+        assert error.generation == started["generation"] == held.generation
+        assert error.holder == error.owner == held.owner
+        assert 0 < error.remaining <= cluster.config.ttl
+        assert f"held by task {holder.id}" in str(error)
+        assert "job 'beat'" in str(error)
+    for worker in workers:  # the holder's 120 s run is not waited for
+        worker.kill()
+
+
 def _worker_named(workers: list[Worker], hostname: str) -> Worker:
     [found] = [w for w in workers if hostname.startswith(f"{w.name}@")]
     return found
@@ -148,8 +182,8 @@ def test_a_killed_holders_message_given_back_runs_and_a_skipped_call_is_acked_on
     assert second["generation"] > first["generation"]  # the same message took over
     skipped = _answer(cluster.send(BEAT, 0.1))
     assert isinstance(skipped, LeaseSkipped)
-    # through the result backend an error keeps its message, not its attributes
     assert f"held by task {holder.id}" in str(skipped)
+    assert skipped.holder_task_id == holder.id
 
     value = _answer(holder)
     assert isinstance(value, dict), value

@@ -156,21 +156,18 @@ def test_a_send_that_names_its_task_id_is_published_and_takes_no_mark(
     assert mark.task_id == first.id
 
 
-def test_a_queue_unique_task_without_a_lease_key_is_refused_at_send(
+def test_a_queue_unique_option_set_on_a_task_without_a_lease_key_is_refused_at_send(
     make_app: Callable[..., Celery], redis_server: RedisServer
 ) -> None:
+    # set at the decorator, the option is refused there
+    # (tests/unit/test_queue_unique_definition.py); set later, at the send
     app = make_app()
 
-    @app.task(
-        base=LeasedTask,
-        bind=True,
-        shared=False,
-        name=f"{app.main}.keyless",
-        lease_queue_unique=True,
-    )
+    @app.task(base=LeasedTask, bind=True, shared=False, name=f"{app.main}.keyless")
     def keyless(self: Any) -> None:
         pass
 
+    keyless.lease_queue_unique = True
     with pytest.raises(LeaseConfigurationError, match="lease_key"):
         keyless.delay()
     assert queue_length(app, redis_server) == 0
@@ -182,17 +179,11 @@ def test_a_bad_lease_queue_unique_is_refused_at_send(
 ) -> None:
     app = make_app()
 
-    @app.task(
-        base=LeasedTask,
-        bind=True,
-        shared=False,
-        name=f"{app.main}.bad",
-        lease_key="k",
-        lease_queue_unique=value,
-    )
+    @app.task(base=LeasedTask, bind=True, shared=False, name=f"{app.main}.bad", lease_key="k")
     def bad(self: Any) -> None:
         pass
 
+    bad.lease_queue_unique = value  # set at the decorator, it is refused there
     with pytest.raises(LeaseConfigurationError, match="lease_queue_unique"):
         bad.delay()
     assert queue_length(app, redis_server) == 0

@@ -115,16 +115,19 @@ def test_a_task_with_a_bad_defer_max_stops_the_worker(app: Celery, value: object
         ({"lease_queue_unique": True}, "sets lease_queue_unique but no lease_key"),
     ],
 )
-def test_a_task_with_a_bad_lease_queue_unique_stops_the_worker(
+def test_a_bad_lease_queue_unique_set_after_the_definition_stops_the_worker(
     app: Celery, options: dict[str, object], message: str
 ) -> None:
+    # the decorator refuses these already (tests/unit/test_queue_unique_definition.py)
     app.conf.leases_store = "memory://"
 
-    @app.task(shared=False, base=LeasedTask, bind=True, **options)
+    @app.task(shared=False, base=LeasedTask, bind=True)
     def queued(self: LeasedTask) -> None:
         pass
 
     app.finalize()
+    for name, value in options.items():
+        setattr(type(app.tasks[queued.name]), name, value)
     with pytest.raises(LeaseConfigurationError, match=message):
         check_app(app, pool="prefork")
 

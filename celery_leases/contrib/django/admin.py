@@ -1,10 +1,17 @@
-"""A read-only admin of the lease table, with a "force release" action.
+"""A read-only admin of the lease table, with a "force release" action, and
+of the queued marks (``lease_queue_unique``).
 
 The action does what ``celery leases release --force`` does: it asks for a
 reason, then the store's :meth:`~celery_leases.stores.base.LeaseStore.force_release`
 moves the generation on, so the holder (if any) is fenced out of its
 renewals, its completion and its fenced writes; the job runs again at its
 next claim. Leases are never added, edited or deleted here.
+
+The lease list shows a job's live queued mark beside its lease, read with
+the rows in the same query. A key that is only queued (its job never ran,
+so it has no lease record) is listed by the queued marks' own admin: the
+lease list is a list of lease records, with their filters, their ordering
+and their action, none of which a mark has.
 """
 
 from __future__ import annotations
@@ -15,19 +22,22 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
-from django.db.models import QuerySet
+from django.contrib.admin.utils import quote
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html
 
-from celery_leases.contrib.django.models import Lease
+from celery_leases.contrib.django.models import Lease, QueuedMark
 from celery_leases.contrib.django.store import SCHEME
 from celery_leases.errors import LeaseError
 from celery_leases.stores import open_store
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 from celery_leases.stores.checks import REASON_LIMIT
 
-__all__ = ["ForceReleaseForm", "LeaseAdmin"]
+__all__ = ["ForceReleaseForm", "LeaseAdmin", "QueuedMarkAdmin", "ReadOnlyAdmin"]
 
 
 class ForceReleaseForm(forms.Form):
@@ -59,17 +69,64 @@ def _date_column(field: str, description: str) -> Callable[[Any, Lease], str]:
     return shown
 
 
-def _now_ms(lease: Lease) -> int:
+def _now_ms(row: Any) -> int:
     """The database's clock when the row was read (the ``db_now`` annotation):
-    the clock a ``django://`` store keeps its leases by."""
-    now = lease.db_now
+    the clock a ``django://`` store keeps its leases and marks by."""
+    now = row.db_now
     if now.tzinfo is None:  # USE_TZ = False: the database's time, in UTC
         now = now.replace(tzinfo=datetime.timezone.utc)
     return int(now.timestamp() * 1000)
 
 
+def _left(until_ms: int | None, now_ms: int) -> str:
+    """Seconds from ``now_ms`` to ``until_ms``; empty when past (or none)."""
+    if until_ms is None or until_ms <= now_ms:
+        return ""
+    return f"{(until_ms - now_ms) / 1000:.1f} s"
+
+
+def _queued_mark_of(row: Any) -> QueuedMark | None:
+    """The live queued mark read with a lease row (``queued_*`` annotations),
+    or ``None``: no mark, or one that ran out (the store counts neither)."""
+    if row.queued_until is None or row.queued_until <= _now_ms(row):
+        return None
+    return QueuedMark(
+        job_id=row.job_id,
+        task_id=row.queued_task_id,
+        queued_at=row.queued_at,
+        queued_until=row.queued_until,
+    )
+
+
+def _queued_field(field: str, description: str) -> Callable[[Any, Lease], str]:
+    """A read-only field of the detail page: a field of the job's live queued mark."""
+
+    def column(model_admin: Any, lease: Lease) -> str:
+        mark = _queued_mark_of(lease)
+        if mark is None:
+            return "-"
+        value = getattr(mark, field)
+        return value if isinstance(value, str) else _when(value)
+
+    shown: Callable[[Any, Lease], str] = admin.display(description=description)(column)
+    return shown
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """An admin that adds, changes and deletes nothing: the store writes the rows."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 @admin.register(Lease)
-class LeaseAdmin(admin.ModelAdmin):
+class LeaseAdmin(ReadOnlyAdmin):
     """Leases: list, filter by state and task, search by job id or task id; force release."""
 
     list_display = (
@@ -82,6 +139,7 @@ class LeaseAdmin(admin.ModelAdmin):
         "until",
         "expired",
         "left",
+        "queued",
     )
     list_filter = ("state", "task_name")
     search_fields = ("job_id", "task_id")
@@ -107,12 +165,26 @@ class LeaseAdmin(admin.ModelAdmin):
         "released",
         "released_by",
         "release_reason",
+        "queued_task",
+        "queued_since",
+        "queued_until_shown",
     )
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
-        # the database's clock, read with the rows, for "expired" and "left"
-        return super().get_queryset(request).annotate(db_now=Now())
+        # the database's clock, read with the rows, for "expired" and "left";
+        # the job's queued mark, read in the same query (not one per row)
+        mark = QueuedMark.objects.filter(job_id=OuterRef("job_id"))
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                db_now=Now(),
+                queued_task_id=Subquery(mark.values("task_id")[:1]),
+                queued_at=Subquery(mark.values("queued_at")[:1]),
+                queued_until=Subquery(mark.values("queued_until")[:1]),
+            )
+        )
 
     @admin.display(description="holder")
     def holder(self, lease: Lease) -> str:
@@ -136,21 +208,25 @@ class LeaseAdmin(admin.ModelAdmin):
         now = _now_ms(lease)
         if not lease.record().is_live(now):
             return ""
-        return f"{(lease.lease_until - now) / 1000:.1f} s"
+        return _left(lease.lease_until, now)
+
+    @admin.display(description="queued")
+    def queued(self, lease: Lease) -> str:
+        """The task id of the job's queued message and the time its mark has
+        left (``lease_queue_unique``); empty when none is queued."""
+        mark = _queued_mark_of(lease)
+        if mark is None:
+            return ""
+        return f"{mark.task_id} ({_left(mark.queued_until, _now_ms(lease))} left)"
+
+    queued_task = _queued_field("task_id", "queued task id")
+    queued_since = _queued_field("queued_at", "queued at (UTC)")
+    queued_until_shown = _queued_field("queued_until", "queued mark runs out (UTC)")
 
     claimed = _date_column("claimed_at", "claimed (UTC)")
     renewed = _date_column("renewed_at", "renewed (UTC)")
     completed = _date_column("completed_at", "completed (UTC)")
     released = _date_column("released_at", "released (UTC)")
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm(f"{Lease._meta.app_label}.change_lease"))
@@ -203,3 +279,49 @@ class LeaseAdmin(admin.ModelAdmin):
         finally:
             store.close()
         return None
+
+
+@admin.register(QueuedMark)
+class QueuedMarkAdmin(ReadOnlyAdmin):
+    """Queued marks (``lease_queue_unique``): every key with a job queued,
+    also one whose job never ran (no lease record yet). Read-only."""
+
+    list_display = ("job_id", "task_id", "since", "until", "left", "lease")
+    search_fields = ("job_id", "task_id")
+    ordering = ("-queued_at",)
+    fields = ("job_id", "task_id", "since", "until", "left", "lease")
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[QueuedMark]:
+        # the database's clock and the state of the key's lease record, with the rows
+        record = Lease.objects.filter(job_id=OuterRef("job_id"))
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(db_now=Now(), lease_state=Subquery(record.values("state")[:1]))
+        )
+
+    @admin.display(description="queued at (UTC)", ordering="queued_at")
+    def since(self, mark: QueuedMark) -> str:
+        return _when(mark.queued_at)
+
+    @admin.display(description="runs out (UTC)", ordering="queued_until")
+    def until(self, mark: QueuedMark) -> str:
+        return _when(mark.queued_until)
+
+    @admin.display(description="left")
+    def left(self, mark: QueuedMark) -> str:
+        """Seconds until the mark runs out; "ran out" past it (the store no
+        longer counts it, and the key's next send replaces it)."""
+        return _left(mark.queued_until, _now_ms(mark)) or "ran out"
+
+    @admin.display(description="lease")
+    def lease(self, mark: QueuedMark) -> str:
+        """The state of the key's lease record, with a link to it; "none"
+        when the key's job has never run."""
+        state = mark.lease_state
+        if state is None:
+            return "none (never run)"
+        url = reverse("admin:celery_leases_lease_change", args=[quote(mark.job_id)])
+        link: str = format_html('<a href="{}">{}</a>', url, state)
+        return link

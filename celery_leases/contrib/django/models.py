@@ -1,10 +1,11 @@
-"""The lease table and the fence table as Django models.
+"""The lease table, the queued marks' table and the fence table as Django models.
 
-Both map onto the tables the SQL store and :mod:`celery_leases.fencing.sql`
+They map onto the tables the SQL store and :mod:`celery_leases.fencing.sql`
 use (``docs/sql.md``): the migration creates them with the very DDL those
 modules emit, so a ``django://`` store, a ``sqlite:///`` or
 ``postgresql://`` or ``mysql+pymysql://`` store on the same database and the ORM read the same rows.
-Times of the lease table are integer milliseconds on the database's clock.
+Times of the lease and queued-mark tables are integer milliseconds on the
+database's clock.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from django.db.models.functions import Now
 from celery_leases.stores.base import LeaseRecord, LeaseState
 from celery_leases.stores.sql import record_of
 
-__all__ = ["ExactTextField", "Fence", "Lease"]
+__all__ = ["ExactTextField", "Fence", "Lease", "QueuedMark"]
 
 
 class ExactTextField(models.CharField):
@@ -77,6 +78,28 @@ class Lease(models.Model):
         """
         row = {field.column: getattr(self, field.attname) for field in self._meta.concrete_fields}
         return record_of(row, f"table {self._meta.db_table!r}")
+
+
+class QueuedMark(models.Model):
+    """A job queued under a key of a ``lease_queue_unique`` task (table
+    ``celery_leases_queued``); written only by the store.
+
+    A row whose ``queued_until`` has passed on the database's clock ran out:
+    the store no longer counts it, and the next mark of the key replaces it.
+    """
+
+    job_id = ExactTextField(max_length=255, primary_key=True)
+    #: the Celery task id of the queued message
+    task_id = ExactTextField(max_length=255)
+    queued_at = models.BigIntegerField()
+    queued_until = models.BigIntegerField()
+
+    class Meta:
+        db_table = "celery_leases_queued"
+        verbose_name = "queued mark"
+
+    def __str__(self) -> str:
+        return f"{self.job_id} (queued as {self.task_id})"
 
 
 class Fence(models.Model):

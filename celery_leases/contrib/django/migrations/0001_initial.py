@@ -83,6 +83,24 @@ class Migration(migrations.Migration):
                     options={"verbose_name": "lease", "db_table": "celery_leases"},
                 ),
                 migrations.CreateModel(
+                    name="QueuedMark",
+                    fields=[
+                        (
+                            "job_id",
+                            celery_leases.contrib.django.models.ExactTextField(
+                                max_length=255, primary_key=True, serialize=False
+                            ),
+                        ),
+                        (
+                            "task_id",
+                            celery_leases.contrib.django.models.ExactTextField(max_length=255),
+                        ),
+                        ("queued_at", models.BigIntegerField()),
+                        ("queued_until", models.BigIntegerField()),
+                    ],
+                    options={"verbose_name": "queued mark", "db_table": "celery_leases_queued"},
+                ),
+                migrations.CreateModel(
                     name="Fence",
                     fields=[
                         (
