@@ -19,6 +19,7 @@ import pytest
 from celery import Celery
 
 from celery_leases import LeasedTask, LeaseState, StoreUnavailable
+from celery_leases.stores.waiters import MAX_WAITER_BYTES
 from celery_leases.task import store_for
 from celery_leases.waiting import POLL_INTERVAL
 from tests.acceptance.harness import wait_until
@@ -170,3 +171,53 @@ def test_a_holder_that_ends_before_the_registration_lets_the_copy_look_again_at_
         deferred = recorder.wait("duplicate_deferred")
         assert deferred[0]["countdown"] < POLL_INTERVAL  # not the holder's whole lease
         assert result.get(timeout=WAIT) == "ran"
+
+
+def test_a_woken_copy_that_finds_the_job_held_again_waits_without_a_second_fallback(
+    app: Celery, recorder: Recorder
+) -> None:
+    gates = {"a": threading.Event(), "b": threading.Event()}
+    hold = _holding(app, recorder, gates)
+    store = store_for(app)
+    with worker(app, pool="threads", concurrency=2):
+        first = hold.delay("k", "a")
+        recorder.wait("start")
+        others = [hold.delay("k", "b"), hold.delay("k", "b")]
+        wait_until(lambda: len(store.waiters("wake-k")) == 2, timeout=WAIT, message="2 waiters")
+        gates["a"].set()
+        # both are woken; one claims and holds the job on gate "b", the
+        # other finds it held by another send and registers again
+        recorder.wait("start", count=2)
+        wait_until(lambda: len(store.waiters("wake-k")) == 1, timeout=WAIT, message="a waiter")
+        gates["b"].set()
+        assert first.get(timeout=WAIT) == first.id
+        assert [r.get(timeout=WAIT) for r in others] == [r.id for r in others]
+    starts = [at for _, at in recorder.of("start")]
+    dones = sorted(at for _, at in recorder.of("done"))
+    assert starts[-1] - dones[1] < POLL_INTERVAL + 1.0  # woken again, not after a TTL
+    # one fallback copy per waiting send: the woken copy that waited again
+    # published none (its first fallback is still out)
+    assert len(_deferred(recorder, "wake-k")) == 2
+
+
+def test_a_message_too_large_for_a_waiter_looks_again_every_second(
+    app: Celery, recorder: Recorder
+) -> None:
+    store = store_for(app)
+    job_id = uuid.uuid4().hex
+    holder = store.claim(job_id, "another-worker:1:abc", 1.5)
+
+    @app.task(shared=False, base=LeasedTask, bind=True)
+    def job(self: LeasedTask, blob: str) -> int:
+        return len(blob)
+
+    blob = "x" * (MAX_WAITER_BYTES + 1)
+    with worker(app):
+        result = job.apply_async((blob,), task_id=job_id)
+        deferred = recorder.wait("duplicate_deferred")
+        assert deferred[0]["countdown"] <= POLL_INTERVAL
+        assert store.waiters(job_id) == []
+        assert result.get(timeout=WAIT) == len(blob)  # the holder's lease ran out
+    record = store.get(job_id)
+    assert record is not None
+    assert record.generation > holder.generation  # type: ignore[union-attr]
