@@ -11,8 +11,10 @@ sends the same task id again: a second send of the job, which waits under
 ``lease_on_busy="wait"``. From the workers' logs and the tasks' side channel
 it reports:
 
-- re-published messages of the waiting copy (``lease deferred`` lines), and
-  the same per minute of waiting;
+- re-published messages of the waiting send: every delivery of the job
+  after the two sends (its fallback or polling copies, ``lease deferred``
+  lines, and the copy the holder's end woke), and the same per minute of
+  waiting;
 - the gap from the holder's end (its last step) to the copy's start.
 
 It starts its own throwaway redis-server (broker, result backend, side
@@ -55,8 +57,8 @@ def one_run(config: AcceptanceConfig, holder: float, log_dir: Path) -> tuple[int
         cluster.side.wait_event(job, "done", count=2, timeout=holder + 120)
         starts = sorted(e["at"] for e in cluster.side.events(job, "start"))
         dones = sorted(e["at"] for e in cluster.side.events(job, "done"))
-        _, deferred = count_deliveries(cluster, job)
-        return deferred, starts[1] - sent, starts[1] - dones[0]
+        received, _ = count_deliveries(cluster, job)
+        return received - 2, starts[1] - sent, starts[1] - dones[0]
     finally:
         cluster.close()
 

@@ -38,6 +38,7 @@ from celery_leases.display import (
     record_to_dict,
     short_time,
     table,
+    waiter_to_dict,
 )
 from celery_leases.errors import (
     LeaseConfigurationError,
@@ -288,22 +289,31 @@ def ls_command(
 @_json_option
 @click.pass_context
 def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    """Show every field of one job's record, and its queued mark if it has one."""
+    """Show every field of one job's record, its queued mark if it has one,
+    and the copies waiting for its holder."""
     with _store(ctx) as store:
         record = store.get(job_id)
         mark = store.queued(job_id)
+        waiters = store.waiters(job_id)
         now = store.now_ms()
-    if record is None and mark is None:
+    if record is None and mark is None and not waiters:
         _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
-    data = {"job_id": job_id} if record is None else record_to_dict(record, now)
+    data: dict[str, Any] = {"job_id": job_id} if record is None else record_to_dict(record, now)
     if mark is not None:
         data.update(queued_to_dict(mark, now))
+    waiting = [waiter_to_dict(waiter, now) for waiter in waiters]
     if as_json:
-        _emit_json(data)
+        _emit_json({**data, "waiters": waiting})
         return
-    width = max(len(key) for key in data)
+    width = max(len(key) for key in [*data, "waiters"])
     for key, value in data.items():
         click.echo(f"{key.ljust(width)}  {'' if value is None else value}")
+    click.echo(f"{'waiters'.ljust(width)}  {len(waiting)}")
+    for waiter in waiting:
+        click.echo(
+            f"  {waiter['task_id']}  since {waiter['waiting_since']}"
+            f"  runs out in {waiter['waiting_remaining']:g} s"
+        )
 
 
 @leases.command(name="release", cls=CeleryCommand)

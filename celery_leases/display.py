@@ -11,9 +11,22 @@ from typing import Any
 
 import click
 
-from celery_leases.stores.base import LeaseRecord, LeaseState, QueuedMark, ms_to_datetime
+from celery_leases.stores.base import (
+    LeaseRecord,
+    LeaseState,
+    QueuedMark,
+    Waiter,
+    ms_to_datetime,
+)
 
-__all__ = ["parse_duration", "queued_to_dict", "record_to_dict", "short_time", "table"]
+__all__ = [
+    "parse_duration",
+    "queued_to_dict",
+    "record_to_dict",
+    "short_time",
+    "table",
+    "waiter_to_dict",
+]
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -75,6 +88,19 @@ def queued_to_dict(mark: QueuedMark, store_now_ms: int) -> dict[str, Any]:
         "queued_at": ms_to_datetime(mark.queued_at_ms).isoformat(),
         "queued_until": ms_to_datetime(mark.queued_until_ms).isoformat(),
         "queued_remaining": round(max(mark.queued_until_ms - store_now_ms, 0) / 1000, 3),
+    }
+
+
+def waiter_to_dict(waiter: Waiter, store_now_ms: int) -> dict[str, Any]:
+    """A JSON-ready view of a waiter (``lease_on_busy="wait"``): the waiting
+    message's task id and send, since when it waits and when its entry
+    runs out (its payload, a whole message, is left out)."""
+    return {
+        "task_id": waiter.task_id,
+        "send_id": waiter.send_id,
+        "waiting_since": ms_to_datetime(waiter.waiting_since_ms).isoformat(),
+        "waiting_until": ms_to_datetime(waiter.waiting_until_ms).isoformat(),
+        "waiting_remaining": round(max(waiter.waiting_until_ms - store_now_ms, 0) / 1000, 3),
     }
 
 

@@ -26,7 +26,7 @@ from kombu.serialization import dumps, loads, prepare_accept_content
 
 from celery_leases.errors import LeaseRecordUnreadable
 
-__all__ = ["Outcome", "decode", "encode_error", "encode_value"]
+__all__ = ["Outcome", "decode", "encode_error", "encode_value", "serialize"]
 
 logger = logging.getLogger("celery_leases")
 
@@ -48,20 +48,30 @@ def encode_error(error: BaseException, *, serializer: str, max_bytes: int) -> by
 _JSON_HEAD = b"application/json\nutf-8\n"
 
 
+def serialize(value: object, serializer: str) -> bytes:
+    """``value`` serialized by kombu's ``serializer``, as
+    ``<content type>\\n<encoding>\\n<body>``.
+
+    Raises:
+        Exception: the serializer's error (kombu's EncodeError, ...).
+    """
+    content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
+        value, serializer=serializer
+    )
+    body = data.encode(encoding or "utf-8") if isinstance(data, str) else bytes(data)
+    return f"{content_type}\n{encoding}\n".encode() + body
+
+
 def _encode(outcome: Outcome, serializer: str, max_bytes: int) -> bytes | None:
     if max_bytes <= 0:
         return None
     payload = _plain_json(outcome) if serializer == "json" else None
     if payload is None:
         try:
-            content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
-                list(outcome), serializer=serializer
-            )
+            payload = serialize(list(outcome), serializer)
         except Exception as exc:
             logger.info("the task's result is not kept with its completion: %r", exc)
             return None
-        body = data.encode(encoding or "utf-8") if isinstance(data, str) else bytes(data)
-        payload = f"{content_type}\n{encoding}\n".encode() + body
     if len(payload) > max_bytes:
         logger.info(
             "the task's result (%d bytes encoded) is not kept with its completion: "

@@ -46,8 +46,11 @@ __all__ = [
     "DEFERRALS_HEADER",
     "ROUTED_REASONS",
     "capped_countdown",
+    "copy_signature",
     "deferrals_of",
     "publish_again",
+    "send_copy",
+    "send_id_of_copy",
 ]
 
 logger = logging.getLogger("celery_leases")
@@ -98,6 +101,51 @@ def capped_countdown(task: Any, countdown: float) -> float:
     return countdown if cap is None else min(countdown, cap)
 
 
+def send_id_of_copy(request: Any) -> str | None:
+    """The send id a copy of the running message is published with: its own."""
+    value = getattr(request, SEND_ID_HEADER, None) or (request.headers or {}).get(SEND_ID_HEADER)
+    return str(value) if value else None
+
+
+def copy_signature(
+    task: Any,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    reason: str,
+    headers: dict[str, Any] | None = None,
+    **options: Any,
+) -> Any:
+    """The signature of a copy of the running message: the same send, with
+    one more deferral counted, ``headers`` added, the message's serializer,
+    the route ``reason`` asks for, and ``options`` (a ``countdown``)."""
+    headers = {
+        **(request.headers or {}),
+        DEFERRALS_HEADER: deferrals_of(request) + 1,
+        **(headers or {}),
+    }
+    options["headers"] = headers
+    serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
+    if serializer:
+        options["serializer"] = serializer
+    route = settings_for(task.app).republish_options if reason in ROUTED_REASONS else {}
+    if route.get("priority") is not None:
+        options["priority"] = route["priority"]
+    return task.signature_from_request(request, args, kwargs, queue=route.get("queue"), **options)
+
+
+def send_copy(signature: Any, send_id: str | None) -> None:
+    """Publish ``signature``, a copy of a message, under the send id ``send_id``,
+    as no task's child.
+
+    Raises:
+        Exception: whatever publishing raised (the broker cannot be written to).
+    """
+    with _outside_task_context(), keeping_send_id(send_id):
+        signature.apply_async(add_to_parent=False)
+
+
 def publish_again(
     task: Any,
     request: Any,
@@ -121,23 +169,12 @@ def publish_again(
     """
     countdown = capped_countdown(task, countdown)
     deferrals = deferrals_of(request) + 1
-    headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
-    send_id = getattr(request, SEND_ID_HEADER, None) or headers.get(SEND_ID_HEADER)
-    options: dict[str, Any] = {"countdown": countdown, "headers": headers}
-    serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
-    if serializer:
-        options["serializer"] = serializer
-    route = settings_for(task.app).republish_options if reason in ROUTED_REASONS else {}
-    if route.get("priority") is not None:
-        options["priority"] = route["priority"]
-    signature = task.signature_from_request(
-        request, args, kwargs, queue=route.get("queue"), **options
-    )
+    signature = copy_signature(task, request, args, kwargs, reason=reason, countdown=countdown)
+    send_id = send_id_of_copy(request)
     waits, waited = backoff_delays(FIRST_PUBLISH_RETRY), 0.0
     while True:
         try:
-            with _outside_task_context(), keeping_send_id(send_id):
-                signature.apply_async(add_to_parent=False)
+            send_copy(signature, send_id)
             break
         except Exception as exc:
             if waited >= retry_for:

@@ -40,7 +40,7 @@ from celery_leases.stores.base import (
     ReleaseResult,
 )
 from celery_leases.stores.deadline import bounded
-from celery_leases.waiting import held_countdown
+from celery_leases.wake import wait_for_holder, wake_waiters
 
 __all__ = [
     "UNKNOWN_COMPLETION",
@@ -78,8 +78,12 @@ def complete_run(
     completed again: the store already keeps its outcome.
     """
     if lease.completed_in_transaction:
-        return Completed(lease.job_id, lease.generation)
-    return complete(task, lease, encode_value(value, **outcome_options(task, options)))
+        result: CompleteResult | None = Completed(lease.job_id, lease.generation)
+    else:
+        result = complete(task, lease, encode_value(value, **outcome_options(task, options)))
+    if isinstance(result, Completed):
+        wake_waiters(task, lease)
+    return result
 
 
 def complete(task: Any, lease: Lease, outcome: bytes | None) -> CompleteResult | None:
@@ -194,6 +198,7 @@ def _give_up(
     if isinstance(result, Released):
         lease.finish()
         observe.send(signals.lease_released, task, lease=lease, job_id=lease.job_id, reason=reason)
+        wake_waiters(task, lease)
     return result
 
 
@@ -296,12 +301,9 @@ def answer_held(
             generation=claim.generation,
             remaining=claim.remaining,
         )
-    countdown = held_countdown(claim.remaining, options.defer_max)
-    publish_again(
-        task, request, args, kwargs, job_id=claim.job_id, reason="held", countdown=countdown,
-        retry_for=options.defer_max, holder=claim.holder,
-    )  # fmt: skip
-    raise Ignore()
+    wait_for_holder(
+        task, claim, request, args, kwargs, send_id=send_id, defer_max=options.defer_max
+    )
 
 
 def _holder_of_another_send(

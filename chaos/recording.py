@@ -32,6 +32,7 @@ from celery_leases.stores.base import (
     QueuedMark,
     ReleaseResult,
     RenewResult,
+    Waiter,
 )
 from celery_leases.stores.checks import ttl_to_ms
 from chaos.history import History
@@ -291,6 +292,17 @@ class RecordingStore(LeaseStore):
 
     def _queued(self, job_id: str) -> QueuedMark | None:
         return self.inner.queued(job_id)
+
+    def _add_waiter(
+        self, job_id: str, send_id: str, task_id: str, payload: bytes, ttl_ms: int
+    ) -> bool:
+        return self.inner.add_waiter(job_id, send_id, task_id, payload, ttl_ms / 1000)
+
+    def _take_waiters(self, job_id: str) -> list[Waiter]:
+        return self.inner.take_waiters(job_id)
+
+    def _waiters(self, job_id: str) -> list[Waiter]:
+        return self.inner.waiters(job_id)
 
     def close(self) -> None:
         self.inner.close()

@@ -59,6 +59,7 @@ from celery_leases.stores.results import (
     unreadable,
     unreadable_refusal,
 )
+from celery_leases.stores.waiters import MAX_WAITERS, Waiter, check_payload
 from celery_leases.values import is_whole
 
 __all__ = [
@@ -81,8 +82,10 @@ __all__ = [
     "Renewed",
     "MAX_OUTCOME_BYTES",
     "MAX_TTL",
+    "MAX_WAITERS",
     "MIN_RETENTION",
     "QueuedMark",
+    "Waiter",
     "ms_to_datetime",
     "refusal_for",
     "ttl_to_ms",
@@ -412,6 +415,53 @@ class LeaseStore(abc.ABC):
         """The mark of ``job_id`` that has not run out, or ``None``."""
         return self._queued(check_job_id(job_id))
 
+    # -- waiters (``lease_on_busy="wait"``) -----------------------------------
+
+    def add_waiter(
+        self, job_id: str, send_id: str, task_id: str, payload: bytes, ttl: float
+    ) -> bool:
+        """Register the send ``send_id`` as a waiter of ``job_id`` for ``ttl``
+        seconds, keeping ``payload`` (at most :data:`MAX_WAITER_BYTES`).
+
+        A live entry of the same send is replaced (a redelivery, or a copy
+        that waits again). Entries that ran out may be swept on the way.
+
+        Returns:
+            Whether the send is registered: False when the job has
+            :data:`MAX_WAITERS` live waiters of other sends already (the
+            bound is kept exactly by Redis, SQLite and the memory store,
+            and within a few entries by concurrent senders elsewhere).
+
+        Raises:
+            StoreUnavailable: the store could not be asked; whether the
+                entry was placed is unknown (it runs out after ``ttl``).
+            LeaseConfigurationError: an argument is invalid, or the
+                waiters' table is missing (SQL).
+        """
+        return self._add_waiter(
+            check_job_id(job_id),
+            check_text(send_id, "send_id"),
+            check_text(task_id, "task_id", empty=True),
+            check_payload(payload),
+            ttl_to_ms(ttl),
+        )
+
+    def take_waiters(self, job_id: str) -> list[Waiter]:
+        """Delete every waiter of ``job_id`` and return the live ones, in
+        the order they registered; atomic: of two callers at once, each
+        entry goes to one.
+
+        Raises:
+            StoreUnavailable: the store could not be asked; whether the
+                entries were taken is unknown (if so, they are lost, and
+                their sends' fallback copies claim the job instead).
+        """
+        return self._take_waiters(check_job_id(job_id))
+
+    def waiters(self, job_id: str) -> list[Waiter]:
+        """The live waiters of ``job_id``, in the order they registered; a read."""
+        return self._waiters(check_job_id(job_id))
+
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release connections held by the store."""
 
@@ -477,3 +527,16 @@ class LeaseStore(abc.ABC):
 
     @abc.abstractmethod
     def _queued(self, job_id: str) -> QueuedMark | None: ...
+
+    @abc.abstractmethod
+    def _add_waiter(
+        self, job_id: str, send_id: str, task_id: str, payload: bytes, ttl_ms: int
+    ) -> bool:
+        """Register as :meth:`add_waiter` does, keeping at most
+        :data:`MAX_WAITERS` live entries of other sends."""
+
+    @abc.abstractmethod
+    def _take_waiters(self, job_id: str) -> list[Waiter]: ...
+
+    @abc.abstractmethod
+    def _waiters(self, job_id: str) -> list[Waiter]: ...

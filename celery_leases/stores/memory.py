@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from celery_leases import unpatched
 from celery_leases.errors import LeaseRecordUnreadable
 from celery_leases.stores.base import (
+    MAX_WAITERS,
     Acquired,
     AlreadyCompleted,
     ClaimResult,
@@ -30,6 +31,7 @@ from celery_leases.stores.base import (
     Renewed,
     RenewRequest,
     RenewResult,
+    Waiter,
     refusal_for,
     ttl_to_ms,
 )
@@ -70,6 +72,7 @@ class MemoryStore(LeaseStore):
         self._lock = unpatched.lock()  # the heartbeat's OS threads take it too
         self._data: dict[str, LeaseRecord] = {}
         self._marks: dict[str, QueuedMark] = {}
+        self._waiting: dict[str, dict[str, Waiter]] = {}
 
     @property
     def renews_outside_the_hub(self) -> bool:
@@ -222,6 +225,8 @@ class MemoryStore(LeaseStore):
             ]
             for job_id in doomed:
                 del self._data[job_id]
+            for job_id in list(self._waiting):
+                self._live_waiters(job_id, now)
             return len(doomed)
 
     def _live_mark(self, job_id: str, now: int) -> QueuedMark | None:
@@ -257,6 +262,40 @@ class MemoryStore(LeaseStore):
     def _queued(self, job_id: str) -> QueuedMark | None:
         with self._lock:
             return self._live_mark(job_id, self._clock())
+
+    def _live_waiters(self, job_id: str, now: int) -> dict[str, Waiter]:
+        """The job's live entries, those that ran out swept (lock held)."""
+        entries = {
+            send_id: waiter
+            for send_id, waiter in self._waiting.pop(job_id, {}).items()
+            if waiter.waiting_until_ms > now
+        }
+        if entries:
+            self._waiting[job_id] = entries
+        return entries
+
+    def _add_waiter(
+        self, job_id: str, send_id: str, task_id: str, payload: bytes, ttl_ms: int
+    ) -> bool:
+        with self._lock:
+            now = self._clock()
+            entries = self._live_waiters(job_id, now)
+            if len(entries.keys() - {send_id}) >= MAX_WAITERS:
+                return False
+            entries.pop(send_id, None)  # a new registration goes last
+            entries[send_id] = Waiter(job_id, send_id, task_id, payload, now, now + ttl_ms)
+            self._waiting[job_id] = entries
+            return True
+
+    def _take_waiters(self, job_id: str) -> list[Waiter]:
+        with self._lock:
+            entries = self._live_waiters(job_id, self._clock())
+            self._waiting.pop(job_id, None)
+            return list(entries.values())
+
+    def _waiters(self, job_id: str) -> list[Waiter]:
+        with self._lock:
+            return list(self._live_waiters(job_id, self._clock()).values())
 
 
 def _finished_at(record: LeaseRecord) -> int | None:

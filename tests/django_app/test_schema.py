@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def describe(engine: sa.Engine | None = None) -> dict[str, Any]:
-    """Columns (type, nullable, default, key) and indexes of the three tables.
+    """Columns (type, nullable, default, key) and indexes of the four tables.
 
     Without an engine: of the test database.
     """
@@ -35,7 +35,12 @@ def describe(engine: sa.Engine | None = None) -> dict[str, Any]:
             engine.dispose()
     inspector = sa.inspect(engine)
     found: dict[str, Any] = {}
-    for table in ("celery_leases", "celery_leases_queued", "celery_leases_fences"):
+    for table in (
+        "celery_leases",
+        "celery_leases_queued",
+        "celery_leases_waiters",
+        "celery_leases_fences",
+    ):
         found[table] = {
             "columns": [
                 (c["name"], str(c["type"]), c["nullable"], c["default"])

@@ -166,6 +166,30 @@ def test_show_prints_the_queued_mark_of_a_key(target: tuple[Cli, LeaseStore]) ->
     assert "queued_task_id" not in cli.json("show", "report-7")
 
 
+def test_show_lists_the_copies_waiting_for_the_holder(target: tuple[Cli, LeaseStore]) -> None:
+    cli, store = target
+    _claim(store, "report-8")
+    assert cli.json("show", "report-8")["waiters"] == []
+    store.add_waiter("report-8", "send-1", "task-waiting", b"a message", 600)
+    shown = cli.json("show", "report-8")
+    [waiter] = shown["waiters"]
+    assert (waiter["task_id"], waiter["send_id"]) == ("task-waiting", "send-1")
+    [kept] = store.waiters("report-8")
+    assert waiter["waiting_since"] == ms_to_datetime(kept.waiting_since_ms).isoformat()
+    assert waiter["waiting_until"] == ms_to_datetime(kept.waiting_until_ms).isoformat()
+    assert 0 < waiter["waiting_remaining"] <= 600
+    assert "payload" not in waiter  # a whole message: left out
+    text = cli("show", "report-8")
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"^state +held$", text.stdout, re.MULTILINE)
+    assert re.search(r"^waiters +1$", text.stdout, re.MULTILINE)
+    assert re.search(
+        r"^  task-waiting  since \S+  runs out in [\d.]+ s$", text.stdout, re.MULTILINE
+    )
+    store.take_waiters("report-8")
+    assert re.search(r"^waiters +0$", cli("show", "report-8").stdout, re.MULTILINE)
+
+
 def test_show_of_an_unknown_job_exits_3(target: tuple[Cli, LeaseStore]) -> None:
     cli, _ = target
     result = cli("show", "no-such-job")

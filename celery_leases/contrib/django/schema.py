@@ -1,4 +1,4 @@
-"""The DDL of the lease, queued-mark and fence tables, as the SQL store and the SQL fences emit it.
+"""The DDL of the lease, queued-mark, waiter and fence tables, as the SQL store emits it.
 
 The migration runs this text instead of Django's own ``CREATE TABLE``, so a
 table made by ``manage.py migrate`` is the table ``SqlStore`` would make
@@ -19,6 +19,7 @@ from celery_leases.stores.sql import (
     indexes_in,
     lease_table,
     queued_table,
+    waiters_table,
 )
 
 __all__ = ["create_statements", "drop_statements"]
@@ -38,7 +39,12 @@ def _dialect(vendor: str) -> Any:
 def _tables() -> list[sa.Table]:
     metadata = sa.MetaData()
     leases = lease_table(metadata, DEFAULT_TABLE_NAME)
-    return [leases, queued_table(metadata, leases), fence_table(metadata, DEFAULT_FENCE_TABLE)]
+    return [
+        leases,
+        queued_table(metadata, leases),
+        waiters_table(metadata, leases),
+        fence_table(metadata, DEFAULT_FENCE_TABLE),
+    ]
 
 
 def create_statements(vendor: str) -> list[str]:

@@ -18,22 +18,29 @@ __all__ = [
     "EXTEND_QUEUED_SCRIPT",
     "MARK_QUEUED_SCRIPT",
     "QUEUED_SCRIPT",
+    "STORE_NOW",
     "UNMARK_QUEUED_SCRIPT",
     "mark_key",
     "queued_mark",
 ]
 
-# Store time in integer milliseconds from the server's clock, formatted as
-# an integer (a Lua number may print with an exponent).
-_NOW = """
+#: Lua: the store time in integer milliseconds from the server's clock
+#: (``now``), and ``int(n)``, a number formatted as an integer (a Lua number
+#: may print with an exponent)
+STORE_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function int(n)
   return string.format('%d', n)
 end
-local found = redis.call('HMGET', KEYS[1], 'task_id', 'queued_at', 'queued_until')
+"""
+
+_NOW = (
+    STORE_NOW
+    + """local found = redis.call('HMGET', KEYS[1], 'task_id', 'queued_at', 'queued_until')
 local live = found[1] and tonumber(found[3]) and tonumber(found[3]) > now
 """
+)
 
 #: Place the mark unless a live one of another task id is there; a live one
 #: of this task id runs out ARGV[2] ms from now instead (queued_at is kept).

@@ -16,6 +16,7 @@ from celery_leases.errors import (
     LeaseRecordUnreadable,
 )
 from celery_leases.stores.base import (
+    MAX_WAITERS,
     Acquired,
     AlreadyCompleted,
     ClaimResult,
@@ -30,10 +31,12 @@ from celery_leases.stores.base import (
     ReleaseResult,
     RenewRequest,
     RenewResult,
+    Waiter,
     unreadable,
 )
 from celery_leases.stores.redis import _queued as redis_queued
 from celery_leases.stores.redis import _scripts as scripts
+from celery_leases.stores.redis import _waiters as redis_waiters
 from celery_leases.stores.redis._batches import Call, RedisBatches
 from celery_leases.stores.redis._connections import (
     RENEW_CONNECTIONS,
@@ -125,6 +128,9 @@ class RedisStore(RedisBatches, LeaseStore):
         self._unmark_queued_script = client.register_script(redis_queued.UNMARK_QUEUED_SCRIPT)
         self._extend_queued_script = client.register_script(redis_queued.EXTEND_QUEUED_SCRIPT)
         self._queued_script = client.register_script(redis_queued.QUEUED_SCRIPT)
+        self._add_waiter_script = client.register_script(redis_waiters.ADD_WAITER_SCRIPT)
+        self._take_waiters_script = client.register_script(redis_waiters.TAKE_WAITERS_SCRIPT)
+        self._waiters_script = client.register_script(redis_waiters.WAITERS_SCRIPT)
         self._config_pending = check_config
         if check_config:
             self._check_config(client)
@@ -375,3 +381,25 @@ class RedisStore(RedisBatches, LeaseStore):
         with self._errors("queued", job_id):
             key = redis_queued.mark_key(self.prefix, job_id)
             return redis_queued.queued_mark(job_id, self._eval(self._queued_script, key))
+
+    # -- waiters (module redis_waiters) ----------------------------------------
+
+    def _add_waiter(
+        self, job_id: str, send_id: str, task_id: str, payload: bytes, ttl_ms: int
+    ) -> bool:
+        with self._errors("add_waiter", job_id):
+            key = redis_waiters.waiters_key(self.prefix, job_id)
+            value = redis_waiters.entry_value(task_id, payload)
+            return bool(
+                int(self._eval(self._add_waiter_script, key, send_id, ttl_ms, value, MAX_WAITERS))
+            )
+
+    def _take_waiters(self, job_id: str) -> list[Waiter]:
+        with self._errors("take_waiters", job_id):
+            key = redis_waiters.waiters_key(self.prefix, job_id)
+            return redis_waiters.live_waiters(job_id, self._eval(self._take_waiters_script, key))
+
+    def _waiters(self, job_id: str) -> list[Waiter]:
+        with self._errors("waiters", job_id):
+            key = redis_waiters.waiters_key(self.prefix, job_id)
+            return redis_waiters.live_waiters(job_id, self._eval(self._waiters_script, key))

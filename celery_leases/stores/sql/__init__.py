@@ -65,6 +65,7 @@ from celery_leases.stores.sql._table import (
     lock_on_duplicate,
     record_of,
 )
+from celery_leases.stores.sql._waiters import waiters_table
 
 __all__ = [
     # the store and its table
@@ -72,6 +73,7 @@ __all__ = [
     "create_table",
     "lease_table",
     "queued_table",
+    "waiters_table",
     "indexes_in",
     "record_of",
     "DEFAULT_TABLE_NAME",

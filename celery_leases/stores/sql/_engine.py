@@ -41,6 +41,7 @@ from celery_leases.stores.sql._table import (
     lease_table,
     missing_parts,
 )
+from celery_leases.stores.sql._waiters import waiters_table
 from celery_leases.values import is_number
 
 #: engines of open stores; a forked child must not reuse their connections
@@ -103,8 +104,9 @@ def _prepare(engine: Engine, timeout: float | None, server_limits: bool) -> SqlD
 
 
 def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Table:
-    """Create the lease table and its index, and the table of the queued
-    marks beside it (``<table_name>_queued``), unless they exist; safe to race.
+    """Create the lease table and its index, and the tables of the queued
+    marks and of the waiters beside it (``<table_name>_queued``,
+    ``<table_name>_waiters``), unless they exist; safe to race.
 
     Tables that exist are only looked at, without the DDL lock.
 
@@ -119,11 +121,12 @@ def create_table(engine: Engine, table_name: str = DEFAULT_TABLE_NAME) -> sa.Tab
     """
     dialect = dialect_for(engine, None)
     table = lease_table(sa.MetaData(), table_name)
-    queued = queued_table(table.metadata, table)
+    beside = [queued_table(table.metadata, table), waiters_table(table.metadata, table)]
     try:
         with engine.connect() as conn:
             missing = _missing(conn, table)
-            whole = missing == [] and sa.inspect(conn).has_table(queued.name)
+            inspector = sa.inspect(conn)
+            whole = missing == [] and all(inspector.has_table(t.name) for t in beside)
         if whole:
             return table
         # Absent, or seen between another process's CREATE TABLE and its

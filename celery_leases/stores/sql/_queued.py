@@ -22,11 +22,11 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Engine
 
-from celery_leases.errors import StoreUnavailable
+from celery_leases.errors import LeaseConfigurationError, StoreUnavailable
 from celery_leases.stores.queued import QueuedMark
 from celery_leases.stores.sql._errors import MYSQL_DEADLOCK, mysql_error_number
 
-__all__ = ["MARK_ATTEMPTS", "QueuedMarks", "queued_table"]
+__all__ = ["MARK_ATTEMPTS", "QueuedMarks", "SideTable", "queued_table"]
 
 #: tries of one mark: the row read after the upsert can be gone (its run
 #: claimed it), and InnoDB may end a transaction of a race as a deadlock
@@ -47,7 +47,37 @@ def queued_table(metadata: sa.MetaData, lease_table: sa.Table) -> sa.Table:
     )
 
 
-class QueuedMarks:
+class SideTable:
+    """A table beside the lease table, made with it (``create_table``).
+
+    Args:
+        table: the table.
+        what: what its rows are, for messages.
+    """
+
+    def __init__(self, table: sa.Table, what: str) -> None:
+        self.table = table
+        self.what = what
+        self.ready = False
+
+    def exists(self, engine: Engine) -> bool:
+        """Whether the table is there (made with the lease table: ``create_table``)."""
+        if not self.ready:
+            with engine.connect() as conn:
+                self.ready = sa.inspect(conn).has_table(self.table.name)
+        return self.ready
+
+    def missing(self, url: str, job_id: str) -> LeaseConfigurationError:
+        """The error of a call that needs the table where it is missing."""
+        return LeaseConfigurationError(
+            f"the table of {self.what} {self.table.name!r} is missing in {url}: it is "
+            "made with the lease table, by `celery leases init-db` (in a Django "
+            "project: manage.py migrate), or by a store opened with create_table=True",
+            job_id=job_id,
+        )
+
+
+class QueuedMarks(SideTable):
     """The statements on one store's mark table.
 
     Args:
@@ -57,9 +87,9 @@ class QueuedMarks:
     """
 
     def __init__(self, lease_table: sa.Table, dialect: Any) -> None:
+        super().__init__(queued_table(sa.MetaData(), lease_table), "queued marks")
         self.dialect = dialect
-        self.table = table = queued_table(sa.MetaData(), lease_table)
-        self.ready = False
+        table = self.table
         now = dialect.now_ms()
         insert = dialect.insert(table).values(
             job_id=sa.bindparam("p_job_id"),
@@ -113,13 +143,6 @@ class QueuedMarks:
             table.c.job_id == sa.bindparam("p_job_id"),
             table.c.task_id == sa.bindparam("p_task_id"),
         )
-
-    def exists(self, engine: Engine) -> bool:
-        """Whether the table is there (made with the lease table: ``create_table``)."""
-        if not self.ready:
-            with engine.connect() as conn:
-                self.ready = sa.inspect(conn).has_table(self.table.name)
-        return self.ready
 
     def mark(
         self, in_write: Callable[..., Any], job_id: str, task_id: str, ttl_ms: int

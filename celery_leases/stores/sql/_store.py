@@ -9,7 +9,6 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from celery_leases.errors import LeaseConfigurationError
 from celery_leases.stores.base import (
     ClaimResult,
     CompleteResult,
@@ -19,6 +18,7 @@ from celery_leases.stores.base import (
     ReleaseResult,
     RenewRequest,
     RenewResult,
+    Waiter,
 )
 from celery_leases.stores.deadline import store_waits, time_left
 from celery_leases.stores.sql._engine import (
@@ -39,6 +39,7 @@ from celery_leases.stores.sql._records import SqlRecords
 from celery_leases.stores.sql._sqlite import SQLITE_BUSY_TIMEOUT
 from celery_leases.stores.sql._statements import Statements
 from celery_leases.stores.sql._table import DEFAULT_TABLE_NAME, MYSQL, lease_table
+from celery_leases.stores.sql._waiters import Waiters
 
 __all__ = ["DEFAULT_TIMEOUT", "SqlStore"]
 
@@ -119,6 +120,7 @@ class SqlStore(SqlRecords, LeaseStore):
         self._reader = engine.execution_options(**self._dialect.read_options)
         self._statements = Statements.build(self.table, self._dialect)
         self._queued_marks = QueuedMarks(self.table, self._dialect)
+        self._waiters_table = Waiters(self.table, self._dialect)
         self._operations = (
             MysqlOperations(
                 self._statements, self.url, MysqlStatements.build(self.table, self._dialect)
@@ -329,13 +331,7 @@ class SqlStore(SqlRecords, LeaseStore):
 
         def work() -> QueuedMark:
             if not marks.exists(self.engine):
-                raise LeaseConfigurationError(
-                    f"the table of queued marks {marks.table.name!r} is missing in "
-                    f"{self.url}: it is made with the lease table, by "
-                    "`celery leases init-db` (in a Django project: manage.py migrate), or "
-                    "by a store opened with create_table=True",
-                    job_id=job_id,
-                )
+                raise marks.missing(self.url, job_id)
             return marks.mark(self._in_write, job_id, task_id, ttl_ms)
 
         # never tried again after a dead connection: the mark may be placed,
@@ -372,3 +368,51 @@ class SqlStore(SqlRecords, LeaseStore):
                 return marks.live(conn, job_id)
 
         return self._call("queued", work, again=True, job_id=job_id)
+
+    # -- waiters (module sql_waiters) -------------------------------------------
+
+    def _add_waiter(
+        self, job_id: str, send_id: str, task_id: str, payload: bytes, ttl_ms: int
+    ) -> bool:
+        waiters = self._waiters_table
+
+        def work() -> bool:
+            if not waiters.exists(self.engine):
+                raise waiters.missing(self.url, job_id)
+            return self._in_write(waiters.add, job_id, send_id, task_id, payload, ttl_ms)
+
+        # a registration applied twice is one registration
+        return self._call("add_waiter", work, again=True, job_id=job_id)
+
+    def _take_waiters(self, job_id: str) -> list[Waiter]:
+        waiters = self._waiters_table
+
+        def work() -> list[Waiter]:
+            if not waiters.exists(self.engine):
+                return []
+            return self._in_write(waiters.taken, job_id)
+
+        # never tried again: a take applied once has deleted what it returns
+        return self._call("take_waiters", work, job_id=job_id)
+
+    def _waiters(self, job_id: str) -> list[Waiter]:
+        waiters = self._waiters_table
+
+        def work() -> list[Waiter]:
+            if not waiters.exists(self.engine):
+                return []
+            with self._reader.connect() as conn:
+                return waiters.live(conn, job_id)
+
+        return self._call("waiters", work, again=True, job_id=job_id)
+
+    def _purge(self, older_than_ms: int) -> int:
+        purged = super()._purge(older_than_ms)
+        waiters = self._waiters_table
+
+        def work() -> None:
+            if waiters.exists(self.engine):
+                self._in_write(waiters.purge)
+
+        self._call("purge", work, again=True)
+        return purged

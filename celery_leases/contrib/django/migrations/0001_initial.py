@@ -1,4 +1,4 @@
-"""The lease table, the queued marks' table and the fence table, with the DDL of the SQL store."""
+"""The lease table, the tables of queued marks and waiters, and the fence table (the SQL DDL)."""
 
 from __future__ import annotations
 

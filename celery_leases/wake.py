@@ -1,0 +1,256 @@
+"""Waiting copies that the holder's end wakes (``lease_on_busy="wait"``).
+
+A delivery that finds its job held by another run registers as a waiter
+of the job in the store (:meth:`~celery_leases.stores.base.LeaseStore.add_waiter`,
+keyed by its send id, with the copy to publish), then publishes one
+fallback copy of itself for when the holder's lease would run out. The
+holder's worker takes the job's waiters when its run ends (completes,
+releases, or is fenced out and releases) and publishes each copy at once,
+on its notifier thread::
+
+    holder   |== runs ================================|end: take waiters, publish
+    copy      r f                                        w claims
+              r: registered   f: fallback copy, due at the holder's lease end
+                                                        <= ~0.1 s after the end
+    fallback                   (arrives: held, so r f again, about once per TTL;
+                                the same send as w, so once w ran it is answered
+                                as a duplicate of w)
+
+The woken copy and the fallback are the same send (same send id): the
+second to arrive finds the job completed by its own send and is answered
+as a duplicate, or finds it held by its own send and waits for it.
+
+Races, and what closes them:
+
+- The holder ends between the refused claim and the registration: the
+  copy reads the record after registering; a record no longer held by the
+  generation it was refused by gets a copy that looks again at once (the
+  holder's take may wake it too: the same send, answered as a duplicate).
+- The holder dies (SIGKILL) or is paused past its lease, or its worker
+  dies between the end and the wake: nobody takes the waiters; the
+  fallback copy claims once the lease ran out, at most about a TTL late
+  for a worker lost between the end and the wake.
+- A woken copy that finds the job held by another send again registers
+  again and publishes no second fallback: the one it published first is
+  still out (or was delivered and published its own), so a waiting send
+  has one fallback copy at a time, plus one woken copy per holder end.
+- The store is down at the registration, the message is too large for a
+  waiter (:data:`~celery_leases.stores.waiters.MAX_WAITER_BYTES`), the
+  job has :data:`~celery_leases.stores.waiters.MAX_WAITERS` waiters, or
+  the payload cannot be serialized: the copy looks again every second, as
+  :func:`~celery_leases.waiting.held_countdown` says; it never runs
+  without a lease and is never dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, NoReturn
+
+from celery import signature as make_signature
+from celery.exceptions import Ignore
+from kombu.serialization import loads, prepare_accept_content
+
+from celery_leases.errors import LeaseError
+from celery_leases.lease import Lease
+from celery_leases.notify import notify
+from celery_leases.outcome import serialize
+from celery_leases.publish import (
+    DEFERRALS_HEADER,
+    capped_countdown,
+    copy_signature,
+    publish_again,
+    send_copy,
+    send_id_of_copy,
+)
+from celery_leases.runtime import store_for
+from celery_leases.sending import send_id_for
+from celery_leases.stores.base import TASK_ID_SEND_PREFIX, HeldElsewhere, LeaseState
+from celery_leases.stores.deadline import bounded
+from celery_leases.stores.waiters import MAX_WAITER_BYTES
+from celery_leases.waiting import MIN_COUNTDOWN, fallback_countdown, held_countdown
+
+__all__ = ["WAITER_GRACE", "WAKE_BOUND", "WOKEN_HEADER", "wait_for_holder", "wake_waiters"]
+
+logger = logging.getLogger("celery_leases")
+
+#: message header of a copy published by a holder's end
+WOKEN_HEADER = "leases_woken"
+
+#: seconds a waiter's entry outlives its fallback copy's countdown, so that
+#: a holder that ends just before the fallback arrives still wakes it
+WAITER_GRACE = 10.0
+
+#: the longest wait (seconds) of one store call of the wake or the registration
+WAKE_BOUND = 5.0
+
+
+def wait_for_holder(
+    task: Any,
+    claim: HeldElsewhere,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    send_id: str | None,
+    defer_max: float,
+) -> NoReturn:
+    """Register the running message as a waiter of the held job, then
+    publish its fallback copy (or, when it cannot wait so, a copy that
+    looks again in a second).
+
+    Raises:
+        Ignore: the message was published again, or need not be.
+        Reject: publishing kept failing; the broker keeps the message.
+    """
+    countdown = held_countdown(claim.remaining, defer_max)
+    fallback = capped_countdown(task, fallback_countdown(claim.remaining, defer_max))
+    copy = copy_signature(task, request, args, kwargs, reason="held", headers={WOKEN_HEADER: 1})
+    if _register(task, claim, request, copy, send_id, fallback):
+        holder = _holder_now(task, claim, send_id, request.id)
+        if holder is _Holder.ENDED:
+            countdown = MIN_COUNTDOWN
+        elif holder is _Holder.ANOTHER_SEND and _woken(request):
+            # this send's fallback copy is still out: it looks again then
+            raise Ignore()
+        elif holder is not _Holder.UNKNOWN:
+            countdown = fallback
+    publish_again(
+        task, request, args, kwargs, job_id=claim.job_id, reason="held", countdown=countdown,
+        retry_for=defer_max, holder=claim.holder,
+    )  # fmt: skip
+    raise Ignore()
+
+
+def _woken(request: Any) -> bool:
+    value = getattr(request, WOKEN_HEADER, None)
+    if value is None:
+        value = (request.headers or {}).get(WOKEN_HEADER)
+    return bool(value)
+
+
+def _register(
+    task: Any,
+    claim: HeldElsewhere,
+    request: Any,
+    signature: Any,
+    send_id: str | None,
+    fallback: float,
+) -> bool:
+    """Whether the running message is now a waiter of the job, with
+    ``signature`` (its copy) to publish when the holder ends."""
+    if not request.id:
+        return False
+    payload = _encode(task, signature, send_id_of_copy(request))
+    if payload is None:
+        return False
+    waiter_id = send_id or f"{TASK_ID_SEND_PREFIX}{request.id}"
+    try:
+        with bounded(WAKE_BOUND):
+            registered = store_for(task.app).add_waiter(
+                claim.job_id, waiter_id, request.id, payload, fallback + WAITER_GRACE
+            )
+    except LeaseError as exc:
+        logger.warning(
+            "task %s[%s]: could not register as a waiter of job %r (%s); looking again "
+            "every second instead",
+            task.name, request.id, claim.job_id, exc,
+        )  # fmt: skip
+        return False
+    return registered
+
+
+def _encode(task: Any, signature: Any, send_id: str | None) -> bytes | None:
+    """The waiter's payload: the copy's signature and send id, serialized
+    with the message's own serializer; None when it cannot be kept."""
+    serializer = signature.options.get("serializer") or task.app.conf.task_serializer
+    try:
+        payload = serialize({"signature": dict(signature), "send_id": send_id}, serializer)
+    except Exception as exc:  # kombu's EncodeError, or a serializer's own error
+        logger.info("a waiting copy of %s cannot be kept as a waiter (%r)", task.name, exc)
+        return None
+    return payload if len(payload) <= MAX_WAITER_BYTES else None
+
+
+def _decode(app: Any, payload: bytes) -> tuple[Any, str | None]:
+    """The signature and send id a payload of :func:`_encode` keeps.
+
+    Only the app's ``accept_content`` decodes it: the trust of a message
+    from the broker, which is what the payload was.
+
+    Raises:
+        Exception: the payload cannot be read (kombu's DecodeError, ...).
+    """
+    content_type, encoding, body = payload.split(b"\n", 2)
+    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+    data = loads(  # type: ignore[no-untyped-call]
+        body, content_type.decode(), encoding.decode(), accept=accept
+    )
+    return make_signature(data["signature"], app=app), data.get("send_id")
+
+
+class _Holder(enum.Enum):
+    """The run a claim was refused by, read again after the registration."""
+
+    ENDED = "ended"
+    SAME_SEND = "same-send"
+    ANOTHER_SEND = "another-send"
+    UNKNOWN = "unknown"
+
+
+def _holder_now(
+    task: Any, claim: HeldElsewhere, send_id: str | None, task_id: str | None
+) -> _Holder:
+    try:
+        with bounded(WAKE_BOUND):
+            record = store_for(task.app).get(claim.job_id)
+    except LeaseError:
+        return _Holder.UNKNOWN
+    if (
+        record is None
+        or record.state is not LeaseState.HELD
+        or record.generation != claim.generation
+    ):
+        return _Holder.ENDED
+    if record.is_same_run(send_id) or record.task_id == task_id:
+        return _Holder.SAME_SEND
+    return _Holder.ANOTHER_SEND
+
+
+def wake_waiters(task: Any, lease: Lease) -> None:
+    """After ``lease``'s run ended: publish the job's waiters, soon, on the
+    notifier thread (never on the thread that keeps lease deadlines)."""
+    own = send_id_for(task.request, lease.job_id) if task.request is not None else None
+    notify(_wake, task, lease.job_id, own)
+
+
+def _wake(task: Any, job_id: str, own_send_id: str | None) -> None:
+    app = task.app
+    try:
+        with bounded(WAKE_BOUND):
+            waiters = store_for(app).take_waiters(job_id)
+    except LeaseError as exc:
+        logger.warning(
+            "job %r ended, but its waiters could not be taken (%s); they claim it when "
+            "their fallback copies come",
+            job_id, exc,
+        )  # fmt: skip
+        return
+    for waiter in waiters:
+        if own_send_id is not None and waiter.send_id == own_send_id:
+            continue  # the run that ended is that send: nothing waits for it
+        try:
+            signature, send_id = _decode(app, waiter.payload)
+            send_copy(signature, send_id)
+        except Exception as exc:
+            logger.warning(
+                "job %r ended, but its waiting copy %s could not be woken (%r); its "
+                "fallback copy claims the job instead",
+                job_id, waiter.task_id, exc,
+            )  # fmt: skip
+            continue
+        logger.info(
+            "lease waiter woken: job=%s task_id=%s deferrals=%s",
+            job_id, waiter.task_id, signature.options.get("headers", {}).get(DEFERRALS_HEADER),
+        )  # fmt: skip
