@@ -51,7 +51,6 @@ LONGEST_FILES = (
     "tests/integration/test_django.py",
     "tests/chaos/test_chaos_run.py",
     "tests/integration/test_cli.py",
-    "tests/integration/test_races.py",
     "tests/acceptance/test_exactly_once.py",
     "tests/acceptance/test_keep_invisible.py",
     "tests/acceptance/test_no_overlap.py",
