@@ -42,7 +42,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: the test files that take longest (their tests' time summed), longest first.
+#: Under ``--dist loadfile --no-loadscope-reorder`` (scripts/test) the
+#: processes take files in collection order, so these start first and the
+#: short files fill in around them: no process is left running a long file
+#: alone at the end. The other files keep their order after them.
+LONGEST_FILES = (
+    "tests/integration/test_django.py",
+    "tests/chaos/test_chaos_run.py",
+    "tests/integration/test_cli.py",
+    "tests/acceptance/test_exactly_once.py",
+    "tests/acceptance/test_keep_invisible.py",
+    "tests/acceptance/test_no_overlap.py",
+    "tests/integration/test_exactly_once.py",
+    "tests/example/test_demo.py",
+    "tests/integration/test_sql_timeouts.py",
+    "tests/acceptance/test_exactly_once_time.py",
+    "tests/acceptance/test_duplicates.py",
+    "tests/packaging/test_extras.py",
+    "tests/acceptance/test_worked_example.py",
+    "tests/acceptance/test_green_pools.py",
+)
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    """Put the tests of LONGEST_FILES first, in its order (a file's own tests
+    keep theirs, and so do the other files)."""
+    rank = {path: n for n, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest_first(items)
     if config.getoption("bench"):
         return
     opt_in = pytest.mark.skip(reason="a benchmark's long smoke profile: run with --bench")

@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 
 from celery_leases import LeaseRecord, LeaseStore, open_store
 from tests.acceptance.app import AcceptanceConfig, make_app
-from tests.acceptance.harness import SideChannel, Worker, wait_until
+from tests.acceptance.harness import SideChannel, Worker, stop_workers, wait_until
 from tests.broker_servers import RabbitServer, SqsServer
 from tests.conftest import serve
 from tests.servers import MariadbServer, PostgresServer, RedisServer
@@ -186,8 +186,7 @@ class Cluster:
         return record
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
+        stop_workers(self.workers)
         for celery_app in self._apps:
             celery_app.close()
         for store in self._stores:

@@ -16,13 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
 
-__all__ = ["REPO_ROOT", "SideChannel", "Worker", "wait_until"]
+__all__ = ["REPO_ROOT", "SideChannel", "Worker", "stop_workers", "wait_until"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,16 +178,7 @@ class Worker:
         The group is killed at the end even after a clean exit, so no pool
         child outlives the test.
         """
-        if self.proc is None:
-            return
-        self._signal_group(signal.SIGCONT)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout)
-        self._signal_group(signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=30)
+        stop_workers([self], timeout)
 
     # --- logs -----------------------------------------------------------------
 
@@ -219,6 +210,26 @@ class Worker:
     def __repr__(self) -> str:
         pid = self.proc.pid if self.proc else None
         return f"Worker({self.name!r}, pool={self.pool!r}, pid={pid})"
+
+
+def stop_workers(workers: Iterable[Worker], timeout: float = 20.0) -> None:
+    """Stop ``workers`` for good, side by side: SIGCONT and SIGTERM to each
+    (their warm shutdowns run at once), up to ``timeout`` seconds for them to
+    exit, then SIGKILL each group, so no pool child outlives the test."""
+    started = [w for w in workers if w.proc is not None]
+    for worker in started:
+        worker._signal_group(signal.SIGCONT)
+        worker.warm_shutdown()
+    deadline = time.monotonic() + timeout
+    for worker in started:
+        assert worker.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for worker in started:
+        assert worker.proc is not None
+        worker._signal_group(signal.SIGKILL)
+        if worker.proc.poll() is None:
+            worker.proc.wait(timeout=30)
 
 
 class SideChannel:

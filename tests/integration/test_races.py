@@ -17,6 +17,7 @@ import itertools
 import multiprocessing
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ WAIT = 90.0
 LIVE_TTL = 60.0
 #: a lease the test lets run out by the store's clock between rounds
 SHORT_TTL = 0.3
+#: seconds an idle racer waits for its next command (between tests) before it ends
+IDLE = 300.0
 
 pytestmark = [
     pytest.mark.parametrize("store_kind", ["redis", "postgres", "sqlite", "mysql"], indirect=True),
@@ -84,20 +87,28 @@ def _answer(worker: int, result: object) -> Answer:
 
 def racer(
     worker: int,
-    url: str,
-    options: dict[str, Any],
     inbox: multiprocessing.Queue[tuple[Any, ...] | None],
     outbox: multiprocessing.Queue[Answer],
     barrier: Barrier,
 ) -> None:
     """Worker process: per round, take a command, wait at the barrier, run it.
 
-    Commands: ``("claim", job_id, ttl)`` or ``("renew", job_id, owner,
-    generation, ttl)``; ``None`` ends the loop.
+    ``("open", url, options)`` opens its own handle on a test's store (and
+    ``("close",)`` closes it), answered at once; the racing commands are
+    ``("claim", job_id, ttl)`` and ``("renew", job_id, owner, generation,
+    ttl)``. ``None`` ends the loop.
     """
     owner = f"racer-{worker}-{os.getpid()}"
-    with open_store(url, **options) as store:
-        while (command := inbox.get(timeout=WAIT)) is not None:
+    store: LeaseStore | None = None
+    try:
+        while (command := inbox.get(timeout=IDLE)) is not None:
+            if command[0] in ("open", "close"):
+                if store is not None:
+                    store.close()
+                store = open_store(command[1], **command[2]) if command[0] == "open" else None
+                outbox.put(Answer(worker, command[0]))
+                continue
+            assert store is not None, "a racing command before open"
             barrier.wait(timeout=WAIT)
             try:
                 if command[0] == "claim":
@@ -108,6 +119,9 @@ def racer(
             except LeaseError as exc:
                 result = exc
             outbox.put(_answer(worker, result))
+    finally:
+        if store is not None:
+            store.close()
 
 
 @dataclass
@@ -118,26 +132,57 @@ class Racers:
     inboxes: list[multiprocessing.Queue[tuple[Any, ...] | None]]
     outbox: multiprocessing.Queue[Answer]
     barrier: Barrier
+    #: set when a round went unanswered: the racers' state is unknown
+    broken: bool = False
+
+    def answers(self, count: int) -> list[Answer]:
+        """The next ``count`` answers, by racer; fails the test if they are late."""
+        answers = []
+        for _ in range(count):
+            try:
+                answers.append(self.outbox.get(timeout=WAIT))
+            except queue.Empty:
+                self.broken = True
+                dead = [p.pid for p in self.processes if not p.is_alive()]
+                pytest.fail(f"racers did not answer within {WAIT} s (dead: {dead})")
+        return sorted(answers, key=lambda a: a.worker)
 
     def run(self, commands: list[tuple[Any, ...]]) -> list[Answer]:
         """Send one command to each racer, release them together, collect answers."""
         for inbox, command in zip(self.inboxes, commands, strict=True):
             inbox.put(command)
-        self.barrier.wait(timeout=WAIT)
-        answers = []
-        for _ in commands:
-            try:
-                answers.append(self.outbox.get(timeout=WAIT))
-            except queue.Empty:
-                dead = [p.pid for p in self.processes if not p.is_alive()]
-                pytest.fail(f"racers did not answer within {WAIT} s (dead: {dead})")
-        return sorted(answers, key=lambda a: a.worker)
+        try:
+            self.barrier.wait(timeout=WAIT)
+        except threading.BrokenBarrierError:
+            self.broken = True
+            raise
+        return self.answers(len(commands))
+
+    def tell_all(self, *command: Any) -> None:
+        """Send ``command`` to every racer and wait until each has done it."""
+        for inbox in self.inboxes:
+            inbox.put(command)
+        answers = self.answers(len(self.inboxes))
+        assert all(a.kind == command[0] for a in answers), answers
+
+    def usable(self) -> bool:
+        return not self.broken and all(p.is_alive() for p in self.processes)
+
+    def stop(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        self.barrier.abort()
+        deadline = time.monotonic() + 20
+        for process in self.processes:
+            process.join(timeout=max(0.1, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
 
 
-@pytest.fixture
-def racers(store_url: tuple[str, dict[str, Any]], store: LeaseStore) -> Iterator[Racers]:
-    """Sixteen racer processes on the store (``store`` makes its table first)."""
-    url, options = store_url
+def start_racers() -> Racers:
+    """Sixteen racer processes, started with ``spawn``, holding no store yet."""
     context: SpawnContext = multiprocessing.get_context("spawn")
     barrier = context.Barrier(WORKERS + 1)
     outbox: multiprocessing.Queue[Answer] = context.Queue()
@@ -145,26 +190,40 @@ def racers(store_url: tuple[str, dict[str, Any]], store: LeaseStore) -> Iterator
         context.Queue() for _ in range(WORKERS)
     ]
     processes: list[BaseProcess] = [
-        context.Process(
-            target=racer, args=(n, url, options, inboxes[n], outbox, barrier), daemon=True
-        )
+        context.Process(target=racer, args=(n, inboxes[n], outbox, barrier), daemon=True)
         for n in range(WORKERS)
     ]
     for process in processes:
         process.start()
-    try:
-        yield Racers(processes, inboxes, outbox, barrier)
-    finally:
-        for inbox in inboxes:
-            inbox.put(None)
-        barrier.abort()
-        deadline = time.monotonic() + 20
-        for process in processes:
-            process.join(timeout=max(0.1, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
+    return Racers(processes, inboxes, outbox, barrier)
+
+
+@pytest.fixture(scope="module")
+def racer_pool() -> Iterator[list[Racers]]:
+    """The module's racer processes (starting sixteen is the slow part), started
+    again after a test that left them in an unknown state."""
+    pool: list[Racers] = []
+    yield pool
+    for racers in pool:
+        racers.stop()
+
+
+@pytest.fixture
+def racers(
+    racer_pool: list[Racers], store_url: tuple[str, dict[str, Any]], store: LeaseStore
+) -> Iterator[Racers]:
+    """Sixteen racer processes, each with a handle of its own on the test's store
+    (``store`` makes its table first), opened from its URL as a real worker would."""
+    if not (racer_pool and racer_pool[0].usable()):
+        racer_pool[:] = [start_racers()]
+    racers = racer_pool[0]
+    url, options = store_url
+    racers.tell_all("open", url, options)
+    yield racers
+    if racers.usable():
+        racers.tell_all("close")
+    if not racers.usable():
+        racers.stop()
 
 
 def wait_until_run_out(store: LeaseStore, lease_until_ms: int) -> None:
