@@ -294,7 +294,7 @@ def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
     with _store(ctx) as store:
         record = store.get(job_id)
         mark = store.queued(job_id)
-        waiters = store.waiters(job_id)
+        waiters = [waiter for waiter in store.waiters(job_id) if not waiter.is_mark]
         now = store.now_ms()
     if record is None and mark is None and not waiters:
         _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")

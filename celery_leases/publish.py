@@ -44,6 +44,7 @@ from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
 
 __all__ = [
     "DEFERRALS_HEADER",
+    "WOKEN_HEADER",
     "ROUTED_REASONS",
     "capped_countdown",
     "copy_signature",
@@ -57,6 +58,10 @@ logger = logging.getLogger("celery_leases")
 
 #: message header counting how often a message was deferred
 DEFERRALS_HEADER = "leases_deferrals"
+
+#: message header of a copy that a holder's end woke (:mod:`celery_leases.wake`);
+#: a copy of that copy is not woken, so it never inherits the header
+WOKEN_HEADER = "leases_woken"
 
 #: first wait after a failed publish (seconds); it doubles up to the cap
 FIRST_PUBLISH_RETRY = 0.5
@@ -120,11 +125,8 @@ def copy_signature(
     """The signature of a copy of the running message: the same send, with
     one more deferral counted, ``headers`` added, the message's serializer,
     the route ``reason`` asks for, and ``options`` (a ``countdown``)."""
-    headers = {
-        **(request.headers or {}),
-        DEFERRALS_HEADER: deferrals_of(request) + 1,
-        **(headers or {}),
-    }
+    inherited = {k: v for k, v in (request.headers or {}).items() if k != WOKEN_HEADER}
+    headers = {**inherited, DEFERRALS_HEADER: deferrals_of(request) + 1, **(headers or {})}
     options["headers"] = headers
     serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
     if serializer:
@@ -158,18 +160,22 @@ def publish_again(
     retry_for: float,
     holder: str | None = None,
     lease: Lease | None = None,
+    headers: dict[str, Any] | None = None,
 ) -> None:
     """Publish the running message again after ``countdown`` seconds.
 
     Args:
         retry_for: how long to keep trying when publishing fails (seconds).
+        headers: headers the copy has besides the message's own.
 
     Raises:
         Reject: publishing kept failing; the broker keeps the message (requeue).
     """
     countdown = capped_countdown(task, countdown)
     deferrals = deferrals_of(request) + 1
-    signature = copy_signature(task, request, args, kwargs, reason=reason, countdown=countdown)
+    signature = copy_signature(
+        task, request, args, kwargs, reason=reason, headers=headers, countdown=countdown
+    )
     send_id = send_id_of_copy(request)
     waits, waited = backoff_delays(FIRST_PUBLISH_RETRY), 0.0
     while True:

@@ -77,6 +77,7 @@ from celery_leases.settings import (
     check_queue_unique,
 )
 from celery_leases.stores.base import Acquired, AlreadyCompleted, HeldElsewhere, Refusal
+from celery_leases.wake import ran_already
 
 __all__ = ["DEFERRALS_HEADER", "LeasedTask", "forget_runtime", "settings_for", "store_for"]
 
@@ -347,6 +348,10 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if isinstance(claim, HeldElsewhere):
             answer_held(self, request, args, kwargs, claim, send_id, options)
         lease = self._make_lease(claim, started, store, options, request)
+        if ran_already(self, lease, request, send_id, options.defer_max):
+            # another copy of this waiting send ran: this one is its duplicate
+            release(self, lease, "duplicate")
+            raise Ignore()
         limit = options.takeover_limit
         if limit is not None and claim.takeovers > limit:
             reject_poison(self, lease, claim, limit, args, kwargs)

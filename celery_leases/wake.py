@@ -18,7 +18,11 @@ on its notifier thread::
 
 The woken copy and the fallback are the same send (same send id): the
 second to arrive finds the job completed by its own send and is answered
-as a duplicate, or finds it held by its own send and waits for it.
+as a duplicate, or finds it held by its own send and waits for it. Since
+another send may complete the job between the two, the copy that claims
+first also leaves a *mark* of its send in the store, and a copy that
+claims later and finds it releases the job without running
+(:func:`ran_already`).
 
 Races, and what closes them:
 
@@ -58,6 +62,7 @@ from celery_leases.notify import notify
 from celery_leases.outcome import serialize
 from celery_leases.publish import (
     DEFERRALS_HEADER,
+    WOKEN_HEADER,
     capped_countdown,
     copy_signature,
     publish_again,
@@ -71,12 +76,24 @@ from celery_leases.stores.deadline import bounded
 from celery_leases.stores.waiters import MAX_WAITER_BYTES
 from celery_leases.waiting import MIN_COUNTDOWN, fallback_countdown, held_countdown
 
-__all__ = ["WAITER_GRACE", "WAKE_BOUND", "WOKEN_HEADER", "wait_for_holder", "wake_waiters"]
+__all__ = [
+    "WAITER_GRACE",
+    "WAITING_HEADER",
+    "WAKE_BOUND",
+    "ran_already",
+    "wait_for_holder",
+    "wake_waiters",
+]
 
 logger = logging.getLogger("celery_leases")
 
-#: message header of a copy published by a holder's end
-WOKEN_HEADER = "leases_woken"
+#: message header of every copy of a send that waited as a waiter (its
+#: fallback copies, its woken copies and their copies): such a copy that
+#: claims the job first looks for its send's mark
+WAITING_HEADER = "leases_waiting"
+
+#: the key prefix of a send's mark: a copy of it claimed the job
+MARK_PREFIX = "ran:"
 
 #: seconds a waiter's entry outlives its fallback copy's countdown, so that
 #: a holder that ends just before the fallback arrives still wakes it
@@ -106,7 +123,9 @@ def wait_for_holder(
     """
     countdown = held_countdown(claim.remaining, defer_max)
     fallback = capped_countdown(task, fallback_countdown(claim.remaining, defer_max))
-    copy = copy_signature(task, request, args, kwargs, reason="held", headers={WOKEN_HEADER: 1})
+    copy = copy_signature(
+        task, request, args, kwargs, reason="held", headers={WOKEN_HEADER: 1, WAITING_HEADER: 1}
+    )
     if _register(task, claim, request, copy, send_id, fallback):
         holder = _holder_now(task, claim, send_id, request.id)
         if holder is _Holder.ENDED:
@@ -118,16 +137,60 @@ def wait_for_holder(
             countdown = fallback
     publish_again(
         task, request, args, kwargs, job_id=claim.job_id, reason="held", countdown=countdown,
-        retry_for=defer_max, holder=claim.holder,
+        retry_for=defer_max, holder=claim.holder, headers={WAITING_HEADER: 1},
     )  # fmt: skip
     raise Ignore()
 
 
-def _woken(request: Any) -> bool:
-    value = getattr(request, WOKEN_HEADER, None)
+def _header(request: Any, name: str) -> bool:
+    value = getattr(request, name, None)
     if value is None:
-        value = (request.headers or {}).get(WOKEN_HEADER)
+        value = (request.headers or {}).get(name)
     return bool(value)
+
+
+def _woken(request: Any) -> bool:
+    return _header(request, WOKEN_HEADER)
+
+
+def _mark_id(request: Any, send_id: str | None) -> str:
+    """The key of the mark of the running message's send and attempt (a
+    ``retry()`` is the same send's next attempt, not a copy of this one)."""
+    return f"{MARK_PREFIX}{send_id or request.id}:{request.retries or 0}"
+
+
+def ran_already(
+    task: Any, lease: Lease, request: Any, send_id: str | None, defer_max: float
+) -> bool:
+    """Whether another copy of this waiting send ran: the job's claim
+    just succeeded, and a copy of the same send and attempt marked it
+    before. Otherwise this run marks it, for the copies still to come.
+
+    A waiting send has two copies out at once, its fallback and, after a
+    holder's end, its woken copy; the one that comes second is a duplicate.
+    The record cannot tell it when another send completed the job between
+    the two (it keeps the last completion only)::
+
+        w (woken) runs send s1, marks s1   s3 runs, completes
+        f (fallback of s1) claims: mark of s1 found -> released, not run
+
+    A message that is no such copy, or a store that cannot answer, runs.
+    """
+    if not _header(request, WAITING_HEADER):
+        return False
+    mark = _mark_id(request, send_id)
+    store = lease.store
+    try:
+        with bounded(min(WAKE_BOUND, lease.remaining())):
+            if any(w.send_id == mark and w.is_mark for w in store.waiters(lease.job_id)):
+                return True
+            store.add_waiter(lease.job_id, mark, request.id, b"", defer_max + WAITER_GRACE)
+    except LeaseError as exc:
+        logger.warning(
+            "task %s[%s]: could not look for or place the mark of its send on job %r (%s)",
+            task.name, request.id, lease.job_id, exc,
+        )  # fmt: skip
+    return False
 
 
 def _register(
@@ -220,16 +283,30 @@ def _holder_now(
 
 def wake_waiters(task: Any, lease: Lease) -> None:
     """After ``lease``'s run ended: publish the job's waiters, soon, on the
-    notifier thread (never on the thread that keeps lease deadlines)."""
-    own = send_id_for(task.request, lease.job_id) if task.request is not None else None
-    notify(_wake, task, lease.job_id, own)
+    notifier thread (never on the thread that keeps lease deadlines).
+
+    A run of a waiting send marks its send again first, so that the mark
+    outlasts every copy of it still on its way (:func:`ran_already`).
+    """
+    request = task.request
+    own = send_id_for(request, lease.job_id)
+    mark = None
+    if _header(request, WAITING_HEADER):
+        mark = (_mark_id(request, own), request.id, task.lease_options().defer_max)
+    notify(_wake, task, lease.job_id, own, mark)
 
 
-def _wake(task: Any, job_id: str, own_send_id: str | None) -> None:
+def _wake(
+    task: Any, job_id: str, own_send_id: str | None, mark: tuple[str, str, float] | None
+) -> None:
     app = task.app
+    store = store_for(app)
     try:
         with bounded(WAKE_BOUND):
-            waiters = store_for(app).take_waiters(job_id)
+            if mark is not None:
+                mark_id, task_id, defer_max = mark
+                store.add_waiter(job_id, mark_id, task_id, b"", defer_max + WAITER_GRACE)
+            waiters = store.take_waiters(job_id)
     except LeaseError as exc:
         logger.warning(
             "job %r ended, but its waiters could not be taken (%s); they claim it when "

@@ -425,6 +425,8 @@ class LeaseStore(abc.ABC):
 
         A live entry of the same send is replaced (a redelivery, or a copy
         that waits again). Entries that ran out may be swept on the way.
+        An empty ``payload`` makes the entry a *mark*: :meth:`waiters`
+        reads it, :meth:`take_waiters` leaves it.
 
         Returns:
             Whether the send is registered: False when the job has
@@ -447,9 +449,10 @@ class LeaseStore(abc.ABC):
         )
 
     def take_waiters(self, job_id: str) -> list[Waiter]:
-        """Delete every waiter of ``job_id`` and return the live ones, in
+        """Delete the waiters of ``job_id`` and return the live ones, in
         the order they registered; atomic: of two callers at once, each
-        entry goes to one.
+        entry goes to one. An entry with an empty payload is a *mark* (see
+        :meth:`add_waiter`): it is left, and runs out by itself.
 
         Raises:
             StoreUnavailable: the store could not be asked; whether the

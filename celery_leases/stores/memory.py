@@ -290,8 +290,11 @@ class MemoryStore(LeaseStore):
     def _take_waiters(self, job_id: str) -> list[Waiter]:
         with self._lock:
             entries = self._live_waiters(job_id, self._clock())
+            marks = {key: w for key, w in entries.items() if w.is_mark}
             self._waiting.pop(job_id, None)
-            return list(entries.values())
+            if marks:
+                self._waiting[job_id] = marks
+            return [w for w in entries.values() if not w.is_mark]
 
     def _waiters(self, job_id: str) -> list[Waiter]:
         with self._lock:

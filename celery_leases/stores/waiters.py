@@ -7,7 +7,9 @@ and running out by itself at ``waiting_until_ms`` on the store's clock.
 The holder's worker takes the job's waiters when its run ends (one atomic
 call that returns and deletes them) and publishes each; an entry whose
 holder died just runs out, and the waiting send's fallback copy claims
-the job instead.
+the job instead. An entry without a payload is a *mark*: a copy of the
+send claimed the job, so that its other copies know; it is never taken,
+and runs out by itself.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class Waiter:
     payload: bytes
     waiting_since_ms: int
     waiting_until_ms: int
+
+    @property
+    def is_mark(self) -> bool:
+        """Whether this entry is a mark (no payload): a run of the send
+        claimed the job; nothing publishes it."""
+        return not self.payload
 
 
 def check_payload(payload: object) -> bytes:

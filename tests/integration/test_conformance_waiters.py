@@ -146,3 +146,14 @@ def test_bad_waiter_arguments_are_configuration_errors(
     with pytest.raises(LeaseConfigurationError, match=message):
         store.add_waiter(*arguments)  # type: ignore[arg-type]
     assert store.waiters(JOB) == []
+
+
+def test_take_leaves_a_mark_which_runs_out_by_itself(store: LeaseStore) -> None:
+    store.add_waiter(JOB, "ran:send-a", "task-a", b"", SHORT_TTL)
+    store.add_waiter(JOB, "send-b", "task-b", b"b", 30)
+    assert [w.send_id for w in store.take_waiters(JOB)] == ["send-b"]
+    [mark] = store.waiters(JOB)
+    assert (mark.send_id, mark.payload) == ("ran:send-a", b"")
+    assert store.take_waiters(JOB) == []
+    wait_for_store_clock(store, mark.waiting_until_ms)
+    assert store.waiters(JOB) == []

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_leases import LeasedTask, LeaseState, StoreUnavailable
+from celery_leases import LeasedTask, LeaseState, LeaseStore, StoreUnavailable
+from celery_leases.stores.base import Waiter
 from celery_leases.stores.waiters import MAX_WAITER_BYTES
 from celery_leases.task import store_for
 from celery_leases.waiting import POLL_INTERVAL
@@ -71,6 +72,11 @@ def _send_two(task: Any, recorder: Recorder, key: str) -> tuple[Any, Any]:
     return first, second
 
 
+def _waiting(store: LeaseStore, job_id: str) -> list[Waiter]:
+    """The job's waiters, its marks left out."""
+    return [w for w in store.waiters(job_id) if not w.is_mark]
+
+
 def _deferred(recorder: Recorder, job_id: str) -> list[dict[str, Any]]:
     return [d for d in recorder.of("duplicate_deferred") if d["job_id"] == job_id]
 
@@ -90,11 +96,14 @@ def test_a_waiting_copy_registers_and_starts_right_after_the_holder_completes(
         assert first.get(timeout=WAIT) == first.id
         assert second.get(timeout=WAIT) == second.id
     (_, done), (_, started) = recorder.of("done")[0], recorder.of("start")[1]
-    assert 0 <= started - done < POLL_INTERVAL + 1.0  # woken, not the lease run out (30 s)
+    assert 0 <= started - done < TTL / 3  # woken, not the lease run out (30 s)
     # one fallback copy, due when the holder's lease would run out
     [fallback] = _deferred(recorder, "wake-k")
     assert fallback["countdown"] > TTL / 2
-    assert store.waiters("wake-k") == []
+    # the waiter is gone; a mark of its send stays for its fallback copy
+    [mark] = store.waiters("wake-k")
+    assert mark.is_mark
+    assert mark.task_id == second.id
 
 
 def test_a_released_holder_wakes_its_waiting_copy(app: Celery, recorder: Recorder) -> None:
@@ -115,7 +124,7 @@ def test_a_released_holder_wakes_its_waiting_copy(app: Celery, recorder: Recorde
         with pytest.raises(ValueError, match="the holder fails"):
             first.get(timeout=WAIT)
         assert second.get(timeout=WAIT) == "ran"
-    assert recorder.of("start")[1][1] - ended < POLL_INTERVAL + 1.0
+    assert recorder.of("start")[1][1] - ended < TTL / 3
     assert len(_deferred(recorder, "fail-k")) == 1
 
 
@@ -183,18 +192,18 @@ def test_a_woken_copy_that_finds_the_job_held_again_waits_without_a_second_fallb
         first = hold.delay("k", "a")
         recorder.wait("start")
         others = [hold.delay("k", "b"), hold.delay("k", "b")]
-        wait_until(lambda: len(store.waiters("wake-k")) == 2, timeout=WAIT, message="2 waiters")
+        wait_until(lambda: len(_waiting(store, "wake-k")) == 2, timeout=WAIT, message="2 waiters")
         gates["a"].set()
         # both are woken; one claims and holds the job on gate "b", the
         # other finds it held by another send and registers again
         recorder.wait("start", count=2)
-        wait_until(lambda: len(store.waiters("wake-k")) == 1, timeout=WAIT, message="a waiter")
+        wait_until(lambda: len(_waiting(store, "wake-k")) == 1, timeout=WAIT, message="a waiter")
         gates["b"].set()
         assert first.get(timeout=WAIT) == first.id
         assert [r.get(timeout=WAIT) for r in others] == [r.id for r in others]
     starts = [at for _, at in recorder.of("start")]
     dones = sorted(at for _, at in recorder.of("done"))
-    assert starts[-1] - dones[1] < POLL_INTERVAL + 1.0  # woken again, not after a TTL
+    assert starts[-1] - dones[1] < TTL / 3  # woken again, not after the lease ran out
     # one fallback copy per waiting send: the woken copy that waited again
     # published none (its first fallback is still out)
     assert len(_deferred(recorder, "wake-k")) == 2
@@ -221,3 +230,26 @@ def test_a_message_too_large_for_a_waiter_looks_again_every_second(
     record = store.get(job_id)
     assert record is not None
     assert record.generation > holder.generation  # type: ignore[union-attr]
+
+
+def test_the_fallback_copy_of_a_send_its_woken_copy_ran_does_not_run_it_again(
+    app: Celery, recorder: Recorder
+) -> None:
+    # a short lease: the fallback copy comes back within seconds
+    app.conf.leases_ttl = 3.0
+    gates = {"a": threading.Event()}
+    hold = _holding(app, recorder, gates)
+    with worker(app, pool="threads", concurrency=2):
+        first, second = _send_two(hold, recorder, "k")
+        gates["a"].set()  # the holder completes and wakes the second send
+        assert first.get(timeout=WAIT) == first.id
+        assert second.get(timeout=WAIT) == second.id
+        # another send completes the job after it: the record no longer
+        # names the second send
+        third = hold.delay("k", "")
+        assert third.get(timeout=WAIT) == third.id
+        # the second send's fallback copy comes, claims, finds its mark
+        [released] = recorder.wait("lease_released")
+        assert released["reason"] == "duplicate"
+    ran = [task_id for task_id, _ in recorder.of("start")]
+    assert ran.count(second.id) == 1

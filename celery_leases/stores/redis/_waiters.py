@@ -70,17 +70,24 @@ return 1
 """
 )
 
-#: Delete the job's waiters and return them.
+#: Delete the job's waiters that have a payload (marks, whose value ends
+#: with the NUL byte, stay) and return them.
 #: KEYS[1] waiters key.
-#: Returns {now, send id, value, send id, value, ...}, every entry (the
-#: caller keeps the live ones).
+#: Returns {now, send id, value, send id, value, ...}, every entry taken
+#: (the caller keeps the live ones).
 TAKE_WAITERS_SCRIPT = (
     _NOW
     + """
 local entries = redis.call('HGETALL', KEYS[1])
-redis.call('DEL', KEYS[1])
-table.insert(entries, 1, int(now))
-return entries
+local taken = {int(now)}
+for i = 1, #entries, 2 do
+  if string.sub(entries[i + 1], -1) ~= '\\0' then
+    redis.call('HDEL', KEYS[1], entries[i])
+    table.insert(taken, entries[i])
+    table.insert(taken, entries[i + 1])
+  end
+end
+return taken
 """
 )
 

@@ -98,12 +98,14 @@ class Waiters(SideTable):
         )
         self.read = sa.select(*fields).where(of_job)
         self.returning = dialect.name != "mysql"
+        # a mark (no payload) is never taken
+        waiting = sa.and_(of_job, sa.func.length(table.c.payload) > 0)
         self.take = (
-            sa.delete(table).where(of_job).returning(*fields)
+            sa.delete(table).where(waiting).returning(*fields)
             if self.returning
-            else sa.delete(table).where(of_job)
+            else sa.delete(table).where(waiting)
         )
-        self.read_locked = self.read.with_for_update()
+        self.read_locked = sa.select(*fields).where(waiting).with_for_update()
 
     def add(
         self, conn: Connection, job_id: str, send_id: str, task_id: str, payload: bytes, ttl_ms: int
