@@ -71,7 +71,7 @@ from celery_leases.publish import (
 )
 from celery_leases.runtime import store_for
 from celery_leases.sending import send_id_for
-from celery_leases.stores.base import TASK_ID_SEND_PREFIX, HeldElsewhere, LeaseState
+from celery_leases.stores.base import TASK_ID_SEND_PREFIX, HeldElsewhere, LeaseState, LeaseStore
 from celery_leases.stores.deadline import bounded
 from celery_leases.stores.waiters import MAX_WAITER_BYTES
 from celery_leases.waiting import MIN_COUNTDOWN, fallback_countdown, held_countdown
@@ -293,14 +293,18 @@ def wake_waiters(task: Any, lease: Lease) -> None:
     mark = None
     if _header(request, WAITING_HEADER):
         mark = (_mark_id(request, own), request.id, task.lease_options().defer_max)
-    notify(_wake, task, lease.job_id, own, mark)
+    notify(_wake, task, lease.store, lease.job_id, own, mark)
 
 
 def _wake(
-    task: Any, job_id: str, own_send_id: str | None, mark: tuple[str, str, float] | None
+    task: Any,
+    store: LeaseStore,
+    job_id: str,
+    own_send_id: str | None,
+    mark: tuple[str, str, float] | None,
 ) -> None:
-    app = task.app
-    store = store_for(app)
+    """Take the job's waiters from ``store`` (the one its lease was held in)
+    and publish them."""
     try:
         with bounded(WAKE_BOUND):
             if mark is not None:
@@ -318,7 +322,7 @@ def _wake(
         if own_send_id is not None and waiter.send_id == own_send_id:
             continue  # the run that ended is that send: nothing waits for it
         try:
-            signature, send_id = _decode(app, waiter.payload)
+            signature, send_id = _decode(task.app, waiter.payload)
             send_copy(signature, send_id)
         except Exception as exc:
             logger.warning(

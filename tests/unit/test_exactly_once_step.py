@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
+
+from celery.app.task import Context
 
 from celery_leases import Acquired, Completed, LeaseState, MemoryStore
 from celery_leases.lease import Lease
@@ -31,7 +34,7 @@ def test_a_run_completed_in_its_transaction_is_not_completed_again() -> None:
     lease = held_lease(store)
     lease.completed_in_transaction = True
     options = TaskOptions(lease.timing, "flag", None, 60.0, "json", 65536)
-    result = complete_run(object(), lease, "value", options)
+    result = complete_run(SimpleNamespace(request=Context(id="job")), lease, "value", options)
     assert result == Completed("job", lease.generation)
     record = store.get("job")
     assert record is not None

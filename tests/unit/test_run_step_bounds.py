@@ -10,6 +10,7 @@ the store was told. Real waits on real servers: tests/integration
 from __future__ import annotations
 
 import pytest
+from celery.app.task import Context
 
 from celery_leases import LeaseTiming, StoreUnavailable
 from celery_leases.run_steps import complete, release, release_after_loss
@@ -46,9 +47,11 @@ class TimedStore(MemoryStore):
 
 
 class Task:
-    """What the run steps read of a task: its name."""
+    """What the run steps read of a task: its name, and the running request
+    (a run's end looks at it for waiters to wake)."""
 
     name = "tests.job"
+    request = Context(id="job")
 
 
 @pytest.fixture
