@@ -47,7 +47,10 @@ class LeaseError(Exception):
         owner: str | None = None,
         generation: int | None = None,
     ) -> None:
-        super().__init__(message, job_id, owner, generation)
+        # Exception's own constructor, not the next class's: a subclass that
+        # also derives from another exception (the worker's click error)
+        # sets that one up itself
+        Exception.__init__(self, message, job_id, owner, generation)
         self.job_id = job_id
         self.owner = owner
         self.generation = generation

@@ -212,6 +212,10 @@ class WorkerStartRefused(LeaseConfigurationError, click.ClickException):
     logged at debug level (``--loglevel DEBUG``).
     """
 
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)  # click's message and colour
+        LeaseConfigurationError.__init__(self, message)
+
 
 def check_app(
     app: Any,
