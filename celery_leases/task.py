@@ -348,7 +348,7 @@ class LeasedTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if isinstance(claim, HeldElsewhere):
             answer_held(self, request, args, kwargs, claim, send_id, options)
         lease = self._make_lease(claim, started, store, options, request)
-        if ran_already(self, lease, request, send_id, options.defer_max):
+        if ran_already(self, lease, request, send_id):
             # another copy of this waiting send ran: this one is its duplicate
             release(self, lease, "duplicate")
             raise Ignore()

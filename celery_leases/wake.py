@@ -159,12 +159,13 @@ def _mark_id(request: Any, send_id: str | None) -> str:
     return f"{MARK_PREFIX}{send_id or request.id}:{request.retries or 0}"
 
 
-def ran_already(
-    task: Any, lease: Lease, request: Any, send_id: str | None, defer_max: float
-) -> bool:
-    """Whether another copy of this waiting send ran: the job's claim
-    just succeeded, and a copy of the same send and attempt marked it
-    before. Otherwise this run marks it, for the copies still to come.
+def ran_already(task: Any, lease: Lease, request: Any, send_id: str | None) -> bool:
+    """Whether another copy of this waiting send ran to its end: the job's
+    claim just succeeded, and a copy of the same send and attempt that
+    completed or released its run marked it then (:func:`wake_waiters`).
+    A copy that was killed or lost its lease left no mark, so the next
+    copy runs the send: the mark is placed at a run's end, never at its
+    claim.
 
     A waiting send has two copies out at once, its fallback and, after a
     holder's end, its woken copy; the one that comes second is a duplicate.
@@ -182,12 +183,10 @@ def ran_already(
     store = lease.store
     try:
         with bounded(min(WAKE_BOUND, lease.remaining())):
-            if any(w.send_id == mark and w.is_mark for w in store.waiters(lease.job_id)):
-                return True
-            store.add_waiter(lease.job_id, mark, request.id, b"", defer_max + WAITER_GRACE)
+            return any(w.send_id == mark and w.is_mark for w in store.waiters(lease.job_id))
     except LeaseError as exc:
         logger.warning(
-            "task %s[%s]: could not look for or place the mark of its send on job %r (%s)",
+            "task %s[%s]: could not look for the mark of its send on job %r (%s)",
             task.name, request.id, lease.job_id, exc,
         )  # fmt: skip
     return False
