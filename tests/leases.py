@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from celery.app.task import Context
+
 from celery_leases import LeaseTiming, StoreUnavailable
 from celery_leases.lease import Lease, make_owner
 from celery_leases.stores.base import Acquired, LeaseStore
@@ -59,3 +61,11 @@ def until_reachable(call: Callable[[], T], timeout: float = 30.0) -> T:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+class StepTask:
+    """What the run steps read of a task: its name, and the running request
+    (a run's end looks at it for waiters to wake)."""
+
+    name = "tests.job"
+    request = Context(id="job")

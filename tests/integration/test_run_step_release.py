@@ -12,16 +12,10 @@ from __future__ import annotations
 from celery_leases import LeaseState, LeaseTiming
 from celery_leases.run_steps import release
 from celery_leases.stores.base import LeaseStore
-from tests.leases import claimed_lease
+from tests.leases import StepTask, claimed_lease
 
 #: a drift margin long enough for a reply on a loaded machine
 TIMING = LeaseTiming(ttl=20.0, renew_interval=5.0, drift_margin=5.0)
-
-
-class Task:
-    """What the run steps read of a task: its name."""
-
-    name = "tests.job"
 
 
 def test_a_release_after_the_local_deadline_frees_the_job(store: LeaseStore) -> None:
@@ -29,7 +23,7 @@ def test_a_release_after_the_local_deadline_frees_the_job(store: LeaseStore) -> 
     lease = claimed_lease(store, "job", TIMING, clock=lambda: now[0])
     now[0] = lease.deadline  # the store's lease lasts the drift margin more
     assert lease.lost
-    assert release(Task(), lease, "ignored")
+    assert release(StepTask(), lease, "ignored")
     assert lease.finished  # the store answered: released
     record = store.get("job")
     assert record is not None

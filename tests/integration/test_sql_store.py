@@ -853,8 +853,13 @@ def test_purge_is_one_delete_with_the_memory_store_conditions(sql_store: SqlStor
     _backdate_completion(sql_store, "old", seconds=120)
     with StatementLog(sql_store.engine) as log:
         assert sql_store.purge(60) == 1
-    assert len(log.statements) == 1
-    assert log.statements[0].lstrip().upper().startswith("DELETE")
+    # one statement on the lease table; the others find and drop run-out
+    # waiters (add_waiter), a table of their own
+    waiters = f"{sql_store.table.name}_waiters"
+    name = sql_store.table.name
+    leases = [s for s in log.statements if name in s.replace(waiters, "")]
+    assert len(leases) == 1
+    assert leases[0].lstrip().upper().startswith("DELETE")
     assert sql_store.get("old") is None
     assert sql_store.get("young") is not None
     assert sql_store.get("held") is not None

@@ -10,14 +10,13 @@ the store was told. Real waits on real servers: tests/integration
 from __future__ import annotations
 
 import pytest
-from celery.app.task import Context
 
 from celery_leases import LeaseTiming, StoreUnavailable
 from celery_leases.run_steps import complete, release, release_after_loss
 from celery_leases.stores.base import Completed, CompleteResult, ReleaseResult
 from celery_leases.stores.deadline import time_left
 from celery_leases.stores.memory import MemoryStore
-from tests.leases import claimed_lease
+from tests.leases import StepTask, claimed_lease
 
 TIMING = LeaseTiming(ttl=10.0, renew_interval=3.0, drift_margin=1.0)
 
@@ -46,14 +45,6 @@ class TimedStore(MemoryStore):
         return super()._release(job_id, owner, generation)
 
 
-class Task:
-    """What the run steps read of a task: its name, and the running request
-    (a run's end looks at it for waiters to wake)."""
-
-    name = "tests.job"
-    request = Context(id="job")
-
-
 @pytest.fixture
 def store() -> TimedStore:
     return TimedStore()
@@ -65,7 +56,7 @@ def _within(given: float | None, most: float) -> bool:
 
 def test_a_completion_waits_no_longer_than_the_lease_has_left(store: TimedStore) -> None:
     lease = claimed_lease(store, "job", TIMING)
-    assert complete(Task(), lease, None) is not None
+    assert complete(StepTask(), lease, None) is not None
     [(call, given)] = store.given
     assert call == "complete"
     assert _within(given, TIMING.safe_duration), given
@@ -73,7 +64,7 @@ def test_a_completion_waits_no_longer_than_the_lease_has_left(store: TimedStore)
 
 def test_a_release_waits_no_longer_than_the_lease_has_left(store: TimedStore) -> None:
     lease = claimed_lease(store, "job", TIMING)
-    assert release(Task(), lease, "failure")
+    assert release(StepTask(), lease, "failure")
     [(call, given)] = store.given
     assert call == "release"
     assert _within(given, TIMING.safe_duration), given
@@ -87,7 +78,7 @@ def test_a_completion_unanswered_at_the_deadline_asks_once_within_the_drift_marg
     now[0] = lease.deadline  # no time left: no second try, only the question
     store.lose_replies = True
     # the store applied the completion: the question finds this run's own
-    assert complete(Task(), lease, None) == Completed("job", lease.generation)
+    assert complete(StepTask(), lease, None) == Completed("job", lease.generation)
     [(first, _), (question, given)] = store.given
     assert (first, question) == ("complete", "release")
     assert _within(given, TIMING.drift_margin), given
@@ -95,7 +86,7 @@ def test_a_completion_unanswered_at_the_deadline_asks_once_within_the_drift_marg
 
 def test_a_release_after_a_loss_waits_at_most_the_drift_margin(store: TimedStore) -> None:
     lease = claimed_lease(store, "job", TIMING)
-    release_after_loss(Task(), lease)
+    release_after_loss(StepTask(), lease)
     [(call, given)] = store.given
     assert call == "release"
     assert _within(given, TIMING.drift_margin), given
@@ -108,7 +99,7 @@ def test_a_release_after_the_deadline_waits_at_most_the_drift_margin(store: Time
     lease = claimed_lease(store, "job", TIMING, clock=lambda: now[0])
     now[0] = lease.deadline
     assert lease.lost
-    release(Task(), lease, "ignored")
+    release(StepTask(), lease, "ignored")
     [(call, given)] = store.given
     assert call == "release"
     assert _within(given, TIMING.drift_margin), given
