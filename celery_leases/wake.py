@@ -19,10 +19,11 @@ on its notifier thread::
 The woken copy and the fallback are the same send (same send id): the
 second to arrive finds the job completed by its own send and is answered
 as a duplicate, or finds it held by its own send and waits for it. Since
-another send may complete the job between the two, the copy that claims
-first also leaves a *mark* of its send in the store, and a copy that
-claims later and finds it releases the job without running
-(:func:`ran_already`).
+another send may complete the job between the two, the copy whose run
+ends (completes or releases) leaves a *mark* of its send in the store,
+and a copy that claims later and finds it releases the job without
+running (:func:`ran_already`). A copy killed mid-run leaves none, so the
+send's next copy runs it.
 
 Races, and what closes them:
 
