@@ -39,6 +39,11 @@ def _leased(app: Celery, **options: Any) -> None:
         pass
 
     app.finalize()
+    # Celery adds every shared task defined in this process (another test's
+    # module, e.g. a docs example's) to each app it finalizes: only "job"
+    # and Celery's own tasks are this test's
+    for name in [n for n in app.tasks if n != "job" and not n.startswith("celery.")]:
+        app.tasks.unregister(name)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])
