@@ -38,7 +38,7 @@ from celery_leases import signals
 from celery_leases.backoff import backoff_delays
 from celery_leases.broker_checks import countdown_cap
 from celery_leases.lease import Lease
-from celery_leases.request import CONTENT_TYPE_KEY
+from celery_leases.request import CONTENT_TYPE_KEY, header_of
 from celery_leases.runtime import settings_for
 from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
 
@@ -72,9 +72,7 @@ ROUTED_REASONS = ("store-unavailable", "fenced-out")
 
 def deferrals_of(request: Any) -> int:
     """How often the running message was deferred before."""
-    value = getattr(request, DEFERRALS_HEADER, None)
-    if value is None:
-        value = (request.headers or {}).get(DEFERRALS_HEADER, 0)
+    value = header_of(request, DEFERRALS_HEADER, 0)
     try:
         return max(0, int(value))
     except (TypeError, ValueError):
@@ -108,7 +106,7 @@ def capped_countdown(task: Any, countdown: float) -> float:
 
 def send_id_of_copy(request: Any) -> str | None:
     """The send id a copy of the running message is published with: its own."""
-    value = getattr(request, SEND_ID_HEADER, None) or (request.headers or {}).get(SEND_ID_HEADER)
+    value = header_of(request, SEND_ID_HEADER)
     return str(value) if value else None
 
 

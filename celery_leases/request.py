@@ -10,11 +10,12 @@ request the task sees, as ``request.leases_content_type`` and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from celery.worker.request import Request
 
-__all__ = ["CONTENT_ENCODING_KEY", "CONTENT_TYPE_KEY", "LeasedRequest"]
+__all__ = ["CONTENT_ENCODING_KEY", "CONTENT_TYPE_KEY", "LeasedRequest", "header_of"]
 
 CONTENT_TYPE_KEY = "leases_content_type"
 CONTENT_ENCODING_KEY = "leases_content_encoding"
@@ -27,3 +28,18 @@ class LeasedRequest(Request):  # type: ignore[misc]  # celery ships no type hint
         super().__init__(message, *args, **kwargs)
         self._request_dict[CONTENT_TYPE_KEY] = self.content_type
         self._request_dict[CONTENT_ENCODING_KEY] = self.content_encoding
+
+
+def header_of(request: Any, name: str, default: Any = None) -> Any:
+    """The message header ``name`` of a running task's ``request``.
+
+    Celery copies a message's headers onto the request as attributes (a
+    worker's request), or keeps them in ``request.headers`` (an eager or
+    direct call, a request made by hand); headers that are not a mapping
+    count as none.
+    """
+    value = getattr(request, name, None)
+    if value is None:
+        headers = getattr(request, "headers", None)
+        value = headers.get(name) if isinstance(headers, Mapping) else None
+    return default if value is None else value

@@ -34,6 +34,7 @@ from typing import Any
 
 from celery.signals import before_task_publish
 
+from celery_leases.request import header_of
 from celery_leases.stores.base import TASK_ID_SEND_PREFIX
 
 __all__ = ["SEND_ID_HEADER", "TASK_ID_SEND_PREFIX", "keeping_send_id", "send_id_for", "send_id_of"]
@@ -78,9 +79,7 @@ def send_id_of(request: Any) -> str | None:
     """The send id of the running delivery; a fresh one for eager and direct calls."""
     if request.is_eager or request.called_directly:
         return uuid.uuid4().hex
-    value = getattr(request, SEND_ID_HEADER, None)
-    if value is None:
-        value = (request.headers or {}).get(SEND_ID_HEADER)
+    value = header_of(request, SEND_ID_HEADER)
     return str(value) if value else None
 
 

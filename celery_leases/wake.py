@@ -35,6 +35,9 @@ Races, and what closes them:
   dies between the end and the wake: nobody takes the waiters; the
   fallback copy claims once the lease ran out, at most about a TTL late
   for a worker lost between the end and the wake.
+- A run interrupted by its worker's shutdown (cold shutdown, terminate)
+  releases its lease but wakes nobody: a process on its way out starts no
+  thread; the waiters' fallback copies claim the job.
 - A woken copy that finds the job held by another send again registers
   again and publishes no second fallback: the one it published first is
   still out (or was delivered and published its own), so a waiting send
@@ -70,6 +73,7 @@ from celery_leases.publish import (
     send_copy,
     send_id_of_copy,
 )
+from celery_leases.request import header_of
 from celery_leases.runtime import store_for
 from celery_leases.sending import send_id_for
 from celery_leases.stores.base import TASK_ID_SEND_PREFIX, HeldElsewhere, LeaseState, LeaseStore
@@ -144,10 +148,7 @@ def wait_for_holder(
 
 
 def _header(request: Any, name: str) -> bool:
-    value = getattr(request, name, None)
-    if value is None:
-        value = (request.headers or {}).get(name)
-    return bool(value)
+    return bool(header_of(request, name))
 
 
 def _woken(request: Any) -> bool:
