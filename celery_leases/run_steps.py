@@ -198,7 +198,10 @@ def _give_up(
     if isinstance(result, Released):
         lease.finish()
         observe.send(signals.lease_released, task, lease=lease, job_id=lease.job_id, reason=reason)
-        wake_waiters(task, lease)
+        if reason != "interrupted":
+            # a worker shutting down (cold shutdown, terminate) starts no
+            # thread and publishes nothing: its waiters' fallback copies claim
+            wake_waiters(task, lease)
     return result
 
 
