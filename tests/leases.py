@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from celery.app.task import Context
 
@@ -69,3 +69,11 @@ class StepTask:
 
     name = "tests.job"
     request = Context(id="job")
+
+
+def drop_foreign_tasks(app: Any, keep: str) -> None:
+    """Leave ``app`` only its task ``keep`` and Celery's own: Celery adds
+    every shared task defined in this process (another test's module, e.g.
+    a docs example's) to each app it finalizes."""
+    for name in [n for n in app.tasks if n != keep and not n.startswith("celery.")]:
+        app.tasks.unregister(name)

@@ -17,6 +17,7 @@ from celery_leases.broker_checks import (
 )
 from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app
+from tests.leases import drop_foreign_tasks
 
 
 @pytest.fixture
@@ -34,6 +35,7 @@ def _leased(app: Celery, **options: object) -> None:
         pass
 
     app.finalize()
+    drop_foreign_tasks(app, "job")
 
 
 def _consumer_warnings(app: Celery) -> list[str]:

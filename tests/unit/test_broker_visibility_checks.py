@@ -20,6 +20,7 @@ from celery_leases.broker_visibility import Delivery, delivery_of
 from celery_leases.spelling import misspelled_settings
 from celery_leases.task import forget_runtime
 from celery_leases.worker import check_app
+from tests.leases import drop_foreign_tasks
 from tests.servers import free_port
 
 
@@ -39,11 +40,7 @@ def _leased(app: Celery, **options: Any) -> None:
         pass
 
     app.finalize()
-    # Celery adds every shared task defined in this process (another test's
-    # module, e.g. a docs example's) to each app it finalizes: only "job"
-    # and Celery's own tasks are this test's
-    for name in [n for n in app.tasks if n != "job" and not n.startswith("celery.")]:
-        app.tasks.unregister(name)
+    drop_foreign_tasks(app, "job")
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])
