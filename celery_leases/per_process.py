@@ -226,11 +226,21 @@ class JobThread:
             return
         state = self._state.get()
         with state.lock:
-            if state.thread is None or not state.thread.is_alive():
-                state.thread = threading.Thread(
-                    target=self._run, args=(state,), name=self.name, daemon=True
-                )
-                state.thread.start()
+            thread = state.thread
+            if thread is not None and (thread.is_alive() or thread.ident is None):
+                return  # running, or being started by another caller
+            thread = threading.Thread(target=self._run, args=(state,), name=self.name, daemon=True)
+            state.thread = thread
+        # Started outside the lock: under patching, starting a thread switches
+        # greenlets, and a greenlet that then waits for this OS lock (the new
+        # thread taking its first job, a submit) would hold the hub for good.
+        try:
+            thread.start()
+        except BaseException:
+            with state.lock:
+                if state.thread is thread:
+                    state.thread = None
+            raise
 
     @property
     def running(self) -> bool:

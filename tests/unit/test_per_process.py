@@ -275,3 +275,46 @@ def test_the_job_thread_s_queue_is_the_c_one_under_a_green_library(library: str)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+#: greenlets submit jobs before the job thread runs: starting it switches
+#: greenlets, and the new thread takes its first job at once
+_GREEN_START_CHECK = """
+import sys
+if sys.argv[1] == "gevent":
+    from gevent import monkey
+    monkey.patch_all()
+else:
+    import eventlet
+    eventlet.monkey_patch()
+import threading
+from celery_leases.per_process import JobThread
+jobs = JobThread("green-jobs")
+ran = []
+jobs.submit(ran.append, "hub")
+submitters = [threading.Thread(target=jobs.submit, args=(ran.append, n)) for n in range(3)]
+for submitter in submitters:
+    submitter.start()
+for submitter in submitters:
+    submitter.join()
+assert jobs.flush(10), ran
+print(sorted(map(str, ran)))
+"""
+
+
+@pytest.mark.parametrize("library", ["gevent", "eventlet"])
+def test_greenlets_that_submit_while_the_job_thread_starts_never_hold_the_hub(
+    library: str,
+) -> None:
+    """Under patching, starting the thread switches greenlets: the thread's
+    first job and the other submitters take the state's OS lock meanwhile,
+    so the start must not hold it (it did: the hub waited for good)."""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _GREEN_START_CHECK, library],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['0', '1', '2', 'hub']"
