@@ -266,15 +266,7 @@ print("ok")
 def test_the_job_thread_s_queue_is_the_c_one_under_a_green_library(library: str) -> None:
     """Its ``get`` blocks the OS thread (never the hub), its ``put`` never
     switches greenlets, whatever the library put in ``queue``."""
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _GREEN_QUEUE_CHECK, library],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert _in_green_interpreter(_GREEN_QUEUE_CHECK, library) == "ok"
 
 
 #: greenlets submit jobs before the job thread runs: starting it switches
@@ -309,12 +301,18 @@ def test_greenlets_that_submit_while_the_job_thread_starts_never_hold_the_hub(
     """Under patching, starting the thread switches greenlets: the thread's
     first job and the other submitters take the state's OS lock meanwhile,
     so the start must not hold it (it did: the hub waited for good)."""
+    assert _in_green_interpreter(_GREEN_START_CHECK, library) == "['0', '1', '2', 'hub']"
+
+
+def _in_green_interpreter(script: str, library: str) -> str:
+    """What ``script`` prints in a fresh interpreter patched by ``library``
+    (a hub held for good ends in a timeout)."""
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _GREEN_START_CHECK, library],
+        [sys.executable, "-W", "ignore", "-c", script, library],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['0', '1', '2', 'hub']"
+    return done.stdout.strip()
