@@ -37,6 +37,7 @@ from celery_leases.display import (
     queued_to_dict,
     record_to_dict,
     short_time,
+    skipped_to_dict,
     table,
     waiter_to_dict,
 )
@@ -290,17 +291,21 @@ def ls_command(
 @click.pass_context
 def show_command(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """Show every field of one job's record, its queued mark if it has one,
-    and the copies waiting for its holder."""
+    its last skipped call, and the copies waiting for its holder."""
     with _store(ctx) as store:
         record = store.get(job_id)
         mark = store.queued(job_id)
-        waiters = [waiter for waiter in store.waiters(job_id) if not waiter.is_mark]
+        entries = store.waiters(job_id)
         now = store.now_ms()
-    if record is None and mark is None and not waiters:
+    waiters = [entry for entry in entries if not entry.is_mark]
+    skipped = next((entry for entry in entries if entry.is_last_skipped), None)
+    if record is None and mark is None and not waiters and skipped is None:
         _fail(ctx, EXIT_NOT_FOUND, f"no lease record for job {job_id!r}")
     data: dict[str, Any] = {"job_id": job_id} if record is None else record_to_dict(record, now)
     if mark is not None:
         data.update(queued_to_dict(mark, now))
+    if skipped is not None:
+        data.update(skipped_to_dict(skipped))
     waiting = [waiter_to_dict(waiter, now) for waiter in waiters]
     if as_json:
         _emit_json({**data, "waiters": waiting})

@@ -25,6 +25,7 @@ __all__ = [
     "record_to_dict",
     "short_time",
     "table",
+    "skipped_to_dict",
     "waiter_to_dict",
 ]
 
@@ -88,6 +89,15 @@ def queued_to_dict(mark: QueuedMark, store_now_ms: int) -> dict[str, Any]:
         "queued_at": ms_to_datetime(mark.queued_at_ms).isoformat(),
         "queued_until": ms_to_datetime(mark.queued_until_ms).isoformat(),
         "queued_remaining": round(max(mark.queued_until_ms - store_now_ms, 0) / 1000, 3),
+    }
+
+
+def skipped_to_dict(entry: Waiter) -> dict[str, Any]:
+    """A JSON-ready view of a job's last skipped call (``lease_on_busy="skip"``):
+    its task id and when it was skipped."""
+    return {
+        "skipped_task_id": entry.task_id,
+        "skipped_at": ms_to_datetime(entry.waiting_since_ms).isoformat(),
     }
 
 

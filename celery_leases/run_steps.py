@@ -40,7 +40,7 @@ from celery_leases.stores.base import (
     ReleaseResult,
 )
 from celery_leases.stores.deadline import bounded
-from celery_leases.wake import wait_for_holder, wake_waiters
+from celery_leases.wake import note_skipped, wait_for_holder, wake_waiters
 
 __all__ = [
     "UNKNOWN_COMPLETION",
@@ -337,6 +337,7 @@ def _holder_of_another_send(
 
 
 def _skip(task: Any, request: Any, claim: HeldElsewhere, holder_task_id: str) -> NoReturn:
+    note_skipped(task, claim.job_id, request.id)
     signals.lease_skipped.send(
         sender=task, lease=None, job_id=claim.job_id, generation=claim.generation,
         task_id=request.id, reason="busy", holder=claim.holder, holder_task_id=holder_task_id,

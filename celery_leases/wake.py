@@ -78,13 +78,14 @@ from celery_leases.runtime import store_for
 from celery_leases.sending import send_id_for
 from celery_leases.stores.base import TASK_ID_SEND_PREFIX, HeldElsewhere, LeaseState, LeaseStore
 from celery_leases.stores.deadline import bounded
-from celery_leases.stores.waiters import MAX_WAITER_BYTES
+from celery_leases.stores.waiters import LAST_SKIPPED, MAX_WAITER_BYTES, SKIPPED_KEPT
 from celery_leases.waiting import MIN_COUNTDOWN, fallback_countdown, held_countdown
 
 __all__ = [
     "WAITER_GRACE",
     "WAITING_HEADER",
     "WAKE_BOUND",
+    "note_skipped",
     "ran_already",
     "wait_for_holder",
     "wake_waiters",
@@ -336,3 +337,20 @@ def _wake(
             "lease waiter woken: job=%s task_id=%s deferrals=%s",
             job_id, waiter.task_id, signature.options.get("headers", {}).get(DEFERRALS_HEADER),
         )  # fmt: skip
+
+
+def note_skipped(task: Any, job_id: str, task_id: str) -> None:
+    """Name ``task_id`` as ``job_id``'s last skipped call in the store (a
+    mark under :data:`~celery_leases.stores.waiters.LAST_SKIPPED`, kept
+    :data:`~celery_leases.stores.waiters.SKIPPED_KEPT` seconds), soon, on
+    the notifier thread: the skip's answer does not wait for it, and a
+    store that cannot take it only leaves the job's last skip unnamed."""
+    notify(_note_skipped, task, job_id, task_id)
+
+
+def _note_skipped(task: Any, job_id: str, task_id: str) -> None:
+    try:
+        with bounded(WAKE_BOUND):
+            store_for(task.app).add_waiter(job_id, LAST_SKIPPED, task_id, b"", SKIPPED_KEPT)
+    except LeaseError as exc:
+        logger.warning("job %r: its skipped call %s could not be noted (%s)", job_id, task_id, exc)

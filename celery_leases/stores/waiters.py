@@ -9,7 +9,9 @@ call that returns and deletes them) and publishes each; an entry whose
 holder died just runs out, and the waiting send's fallback copy claims
 the job instead. An entry without a payload is a *mark*: a copy of the
 send claimed the job, so that its other copies know; it is never taken,
-and runs out by itself.
+and runs out by itself. The mark under :data:`LAST_SKIPPED` names the job's
+last call skipped under ``lease_on_busy="skip"``, for ``celery leases
+show`` and the Django admin.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from dataclasses import dataclass
 
 from celery_leases.errors import LeaseConfigurationError
 
-__all__ = ["MAX_WAITERS", "MAX_WAITER_BYTES", "Waiter", "check_payload"]
+__all__ = [
+    "LAST_SKIPPED",
+    "MAX_WAITERS",
+    "MAX_WAITER_BYTES",
+    "SKIPPED_KEPT",
+    "Waiter",
+    "check_payload",
+]
 
 #: the largest payload a waiter may keep (64 KiB); a larger message waits
 #: by looking at the job again instead
@@ -27,6 +36,13 @@ MAX_WAITER_BYTES = 64 * 1024
 #: the most live waiters of other sends a job takes; a send past it waits
 #: by looking at the job again instead
 MAX_WAITERS = 100
+
+#: the key (send id) of the mark that names a job's last skipped call
+#: (``lease_on_busy="skip"``); each skip replaces it
+LAST_SKIPPED = "last-skipped"
+
+#: how long the mark of a job's last skipped call is kept (seconds)
+SKIPPED_KEPT = 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,12 @@ class Waiter:
         """Whether this entry is a mark (no payload): a run of the send
         claimed the job; nothing publishes it."""
         return not self.payload
+
+    @property
+    def is_last_skipped(self) -> bool:
+        """Whether this entry names the job's last skipped call (its
+        ``task_id``, skipped at ``waiting_since_ms``)."""
+        return self.send_id == LAST_SKIPPED and self.is_mark
 
 
 def check_payload(payload: object) -> bytes:

@@ -19,6 +19,7 @@ from celery import chord, group
 from celery.result import AsyncResult
 
 from celery_leases import LeaseSkipped, LeaseState
+from celery_leases.stores.waiters import Waiter
 from tests.acceptance.app import BEAT, ECHO
 from tests.acceptance.conftest import Cluster
 from tests.acceptance.harness import Worker, wait_until
@@ -94,6 +95,15 @@ def test_a_call_every_2_s_of_a_7_s_job_runs_it_without_overlap_or_backlog(
     logs = "".join(worker.log() for worker in cluster.workers)
     assert "lease deferred" not in logs
     assert logs.count("lease skipped") == len(skipped)
+    # the store names the job's last skipped call (celery leases show, the admin)
+    last = max(skipped, key=lambda call: call[0])[1]
+
+    def last_skipped() -> Waiter | None:
+        entries = cluster.store.waiters("beat")
+        return next((e for e in entries if e.is_last_skipped and e.task_id == last.id), None)
+
+    noted = wait_until(last_skipped, timeout=WAIT, message="the last skipped call's mark")
+    assert abs(noted.waiting_since_ms / 1000 - _done_at(last)) < ANSWER_LIMIT
 
 
 @STORES

@@ -1,8 +1,9 @@
 """The lease admin: dates for the store's times, the columns an operator
 needs in view at 1400 px (measured in headless Chromium), the force release
 page's crumbs, and no reason asked for a completed job; a job's queued mark
-(``lease_queue_unique``) on the lease list and page, and the queued marks'
-own list, which finds a key whose job never ran."""
+(``lease_queue_unique``) on the lease list and page, the job's last
+skipped call on its page, and the queued marks' own list, which finds a key
+whose job never ran."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from django.test.utils import CaptureQueriesContext
 
 from celery_leases.stores import LeaseStore
 from celery_leases.stores.base import Acquired, LeaseState, ms_to_datetime
+from celery_leases.stores.waiters import LAST_SKIPPED, SKIPPED_KEPT
 from tests.acceptance.harness import wait_until
 from tests.browser import chromium
 
@@ -231,6 +233,7 @@ def test_the_list_reads_the_queued_marks_in_one_query_whatever_the_rows(
     assert len([c for c in _cells(page, "queued") if c.startswith("celery-task-")]) == 8
     assert len(many) == len(few)
     assert len([sql for sql in many if "celery_leases_queued" in sql]) == 1
+    assert len([sql for sql in many if "celery_leases_waiters" in sql]) == 1
 
 
 def test_the_detail_page_shows_the_queued_marks_task_id_and_times(
@@ -247,6 +250,26 @@ def test_the_detail_page_shows_the_queued_marks_task_id_and_times(
     _completed(django_store, "job-idle")
     shown = _fields(client.get(f"{CHANGELIST}job-idle/change/").content.decode())
     assert shown["queued_task"] == shown["queued_since"] == shown["queued_until_shown"] == "-"
+
+
+def test_the_detail_page_shows_the_jobs_last_skipped_call(django_store: LeaseStore) -> None:
+    _completed(django_store, "job-busy")
+    for task_id in ("celery-task-skipped-1", "celery-task-skipped-2"):
+        django_store.add_waiter("job-busy", LAST_SKIPPED, task_id, b"", SKIPPED_KEPT)
+    [entry] = django_store.waiters("job-busy")
+    client = _admin()
+    shown = _fields(client.get(f"{CHANGELIST}job-busy/change/").content.decode())
+    assert shown["skipped_task"] == "celery-task-skipped-2"
+    assert shown["skipped_at"] == _shown(entry.waiting_since_ms)
+
+    # none, and one that ran out by the store's clock
+    _completed(django_store, "job-calm")
+    _completed(django_store, "job-long-ago")
+    django_store.add_waiter("job-long-ago", LAST_SKIPPED, "celery-task-old", b"", 0.2)
+    wait_until(lambda: not django_store.waiters("job-long-ago"), timeout=30)
+    for job_id in ("job-calm", "job-long-ago"):
+        shown = _fields(client.get(f"{CHANGELIST}{job_id}/change/").content.decode())
+        assert shown["skipped_task"] == shown["skipped_at"] == "-", job_id
 
 
 def test_a_key_that_is_only_queued_is_found_in_the_queued_marks_list(

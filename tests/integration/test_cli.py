@@ -28,6 +28,7 @@ from celery_leases.cli import (
 )
 from celery_leases.stores.base import ms_to_datetime
 from celery_leases.stores.sql import create_table
+from celery_leases.stores.waiters import LAST_SKIPPED, SKIPPED_KEPT
 from tests.integration.test_conformance import backdate_completion, wait_for_store_clock
 from tests.servers import MariadbServer, PostgresServer, RedisServer, free_port
 
@@ -188,6 +189,26 @@ def test_show_lists_the_copies_waiting_for_the_holder(target: tuple[Cli, LeaseSt
     )
     store.take_waiters("report-8")
     assert re.search(r"^waiters +0$", cli("show", "report-8").stdout, re.MULTILINE)
+
+
+def test_show_names_the_last_skipped_call(target: tuple[Cli, LeaseStore]) -> None:
+    cli, store = target
+    _claim(store, "report-9")
+    assert "skipped_task_id" not in cli.json("show", "report-9")
+    for task_id in ("task-skipped-1", "task-skipped-2"):  # each skip replaces the last
+        store.add_waiter("report-9", LAST_SKIPPED, task_id, b"", SKIPPED_KEPT)
+    shown = cli.json("show", "report-9")
+    [kept] = store.waiters("report-9")
+    assert shown["skipped_task_id"] == "task-skipped-2"
+    assert shown["skipped_at"] == ms_to_datetime(kept.waiting_since_ms).isoformat()
+    assert shown["waiters"] == []  # a skipped call waits for nothing
+    text = cli("show", "report-9")
+    assert re.search(r"^skipped_task_id +task-skipped-2$", text.stdout, re.MULTILINE)
+    # a record purged since: the skipped call is still shown
+    store.add_waiter("report-10", LAST_SKIPPED, "task-skipped-3", b"", SKIPPED_KEPT)
+    alone = cli.json("show", "report-10")
+    assert (alone["job_id"], alone["skipped_task_id"]) == ("report-10", "task-skipped-3")
+    assert "state" not in alone
 
 
 def test_show_of_an_unknown_job_exits_3(target: tuple[Cli, LeaseStore]) -> None:

@@ -21,6 +21,7 @@ from celery import Celery
 from celery_leases import Acquired, LeasedTask, LeaseSkipped, LeaseState, Released
 from celery_leases.sending import keeping_send_id
 from celery_leases.task import store_for
+from tests.acceptance.harness import wait_until
 from tests.integration.conftest import WAIT, Recorder, worker
 from tests.integration.test_task_inprocess import store_url
 from tests.proxy import Proxy
@@ -78,6 +79,14 @@ def test_a_call_whose_key_another_send_holds_is_answered_at_once_with_lease_skip
     record = store.get("beat-k")
     assert record is not None
     assert (record.owner, record.state) == ("other-worker:1:abc", LeaseState.HELD)
+    # named in the store as the job's last skipped call, after its answer
+    noted = wait_until(
+        lambda: next((e for e in store.waiters("beat-k") if e.is_last_skipped), None),
+        timeout=WAIT,
+        message="the last skipped call's mark",
+    )
+    assert noted.task_id == result.id
+    assert store.take_waiters("beat-k") == []  # a mark: nothing to publish
     broker = redis.Redis.from_url(app.conf.broker_url)
     try:  # acknowledged: nothing left in the queue or among the unacked
         assert broker.llen(app.conf.task_default_queue) == 0

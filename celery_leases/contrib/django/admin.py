@@ -8,7 +8,8 @@ renewals, its completion and its fenced writes; the job runs again at its
 next claim. Leases are never added, edited or deleted here.
 
 The lease list shows a job's live queued mark beside its lease, read with
-the rows in the same query. A key that is only queued (its job never ran,
+the rows in the same query; a lease's page shows it too, and the job's
+last call skipped under ``lease_on_busy="skip"``. A key that is only queued (its job never ran,
 so it has no lease record) is listed by the queued marks' own admin: the
 lease list is a list of lease records, with their filters, their ordering
 and their action, none of which a mark has.
@@ -30,12 +31,13 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.html import format_html
 
-from celery_leases.contrib.django.models import Lease, QueuedMark
+from celery_leases.contrib.django.models import Lease, QueuedMark, Waiter
 from celery_leases.contrib.django.store import SCHEME
 from celery_leases.errors import LeaseError
 from celery_leases.stores import open_store
 from celery_leases.stores.base import LeaseState, ms_to_datetime
 from celery_leases.stores.checks import REASON_LIMIT
+from celery_leases.stores.waiters import LAST_SKIPPED
 
 __all__ = ["ForceReleaseForm", "LeaseAdmin", "QueuedMarkAdmin", "ReadOnlyAdmin"]
 
@@ -112,6 +114,20 @@ def _queued_field(field: str, description: str) -> Callable[[Any, Lease], str]:
     return shown
 
 
+def _skipped_field(field: str, description: str) -> Callable[[Any, Lease], str]:
+    """A read-only field of the detail page: the task id of the job's last
+    skipped call, or when it was skipped (``skipped_*`` annotations)."""
+
+    def column(model_admin: Any, lease: Lease) -> str:
+        if lease.skipped_until is None or lease.skipped_until <= _now_ms(lease):
+            return "-"
+        value = getattr(lease, field)
+        return value if isinstance(value, str) else _when(value)
+
+    shown: Callable[[Any, Lease], str] = admin.display(description=description)(column)
+    return shown
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """An admin that adds, changes and deletes nothing: the store writes the rows."""
 
@@ -168,13 +184,17 @@ class LeaseAdmin(ReadOnlyAdmin):
         "queued_task",
         "queued_since",
         "queued_until_shown",
+        "skipped_task",
+        "skipped_at",
     )
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
         # the database's clock, read with the rows, for "expired" and "left";
-        # the job's queued mark, read in the same query (not one per row)
+        # the job's queued mark and last skipped call, read in the same
+        # query (not one per row)
         mark = QueuedMark.objects.filter(job_id=OuterRef("job_id"))
+        skipped = Waiter.objects.filter(job_id=OuterRef("job_id"), send_id=LAST_SKIPPED)
         return (
             super()
             .get_queryset(request)
@@ -183,6 +203,9 @@ class LeaseAdmin(ReadOnlyAdmin):
                 queued_task_id=Subquery(mark.values("task_id")[:1]),
                 queued_at=Subquery(mark.values("queued_at")[:1]),
                 queued_until=Subquery(mark.values("queued_until")[:1]),
+                skipped_task_id=Subquery(skipped.values("task_id")[:1]),
+                skipped_since=Subquery(skipped.values("waiting_since")[:1]),
+                skipped_until=Subquery(skipped.values("waiting_until")[:1]),
             )
         )
 
@@ -222,6 +245,8 @@ class LeaseAdmin(ReadOnlyAdmin):
     queued_task = _queued_field("task_id", "queued task id")
     queued_since = _queued_field("queued_at", "queued at (UTC)")
     queued_until_shown = _queued_field("queued_until", "queued mark runs out (UTC)")
+    skipped_task = _skipped_field("skipped_task_id", "last skipped task id")
+    skipped_at = _skipped_field("skipped_since", "last skipped at (UTC)")
 
     claimed = _date_column("claimed_at", "claimed (UTC)")
     renewed = _date_column("renewed_at", "renewed (UTC)")

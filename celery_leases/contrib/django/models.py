@@ -1,4 +1,4 @@
-"""The lease table, the queued marks' table and the fence table as Django models.
+"""The lease table, the tables of queued marks and waiters, and the fence table as Django models.
 
 They map onto the tables the SQL store and :mod:`celery_leases.fencing.sql`
 use (``docs/sql.md``): the migration creates them with the very DDL those
@@ -18,7 +18,7 @@ from django.db.models.functions import Now
 from celery_leases.stores.base import LeaseRecord, LeaseState
 from celery_leases.stores.sql import record_of
 
-__all__ = ["ExactTextField", "Fence", "Lease", "QueuedMark"]
+__all__ = ["ExactTextField", "Fence", "Lease", "QueuedMark", "Waiter"]
 
 
 class ExactTextField(models.CharField):
@@ -100,6 +100,32 @@ class QueuedMark(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id} (queued as {self.task_id})"
+
+
+class Waiter(models.Model):
+    """An entry of a job's waiters (table ``celery_leases_waiters``, see
+    :mod:`celery_leases.stores.waiters`); written only by the store.
+
+    A send waiting for the job's holder keeps its message in ``payload``;
+    an entry without one is a mark, such as the one that names the job's
+    last skipped call (``send_id`` ``"last-skipped"``).
+    """
+
+    pk = models.CompositePrimaryKey("job_id", "send_id")
+    job_id = ExactTextField(max_length=255)
+    send_id = ExactTextField(max_length=255)
+    #: the Celery task id of the entry's message
+    task_id = ExactTextField(max_length=255)
+    waiting_since = models.BigIntegerField()
+    waiting_until = models.BigIntegerField()
+    payload = models.BinaryField()
+
+    class Meta:
+        db_table = "celery_leases_waiters"
+        verbose_name = "waiter"
+
+    def __str__(self) -> str:
+        return f"{self.job_id}: {self.send_id} ({self.task_id})"
 
 
 class Fence(models.Model):

@@ -101,6 +101,38 @@ class Migration(migrations.Migration):
                     options={"verbose_name": "queued mark", "db_table": "celery_leases_queued"},
                 ),
                 migrations.CreateModel(
+                    name="Waiter",
+                    fields=[
+                        (
+                            "pk",
+                            models.CompositePrimaryKey(
+                                "job_id",
+                                "send_id",
+                                blank=True,
+                                editable=False,
+                                primary_key=True,
+                                serialize=False,
+                            ),
+                        ),
+                        (
+                            "job_id",
+                            celery_leases.contrib.django.models.ExactTextField(max_length=255),
+                        ),
+                        (
+                            "send_id",
+                            celery_leases.contrib.django.models.ExactTextField(max_length=255),
+                        ),
+                        (
+                            "task_id",
+                            celery_leases.contrib.django.models.ExactTextField(max_length=255),
+                        ),
+                        ("waiting_since", models.BigIntegerField()),
+                        ("waiting_until", models.BigIntegerField()),
+                        ("payload", models.BinaryField()),
+                    ],
+                    options={"verbose_name": "waiter", "db_table": "celery_leases_waiters"},
+                ),
+                migrations.CreateModel(
                     name="Fence",
                     fields=[
                         (
