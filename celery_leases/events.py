@@ -45,6 +45,7 @@ __all__ = [
     "LEASE_RELEASED",
     "LEASE_RENEWED",
     "LEASE_SKIPPED",
+    "LEASE_UNQUEUED",
     "EVENT_TYPES",
     "emit",
     "flush",
@@ -62,6 +63,9 @@ LEASE_LOST = "lease-lost"
 LEASE_FENCED_OUT = "lease-fenced-out"
 LEASE_DEFERRED = "lease-deferred"
 LEASE_SKIPPED = "lease-skipped"
+#: a worker took a queued mark (``lease_queue_unique``) away: its message's
+#: run claimed the lease, or it was revoked or skipped
+LEASE_UNQUEUED = "lease-unqueued"
 
 EVENT_TYPES = (
     LEASE_CLAIMED,
@@ -72,6 +76,7 @@ EVENT_TYPES = (
     LEASE_FENCED_OUT,
     LEASE_DEFERRED,
     LEASE_SKIPPED,
+    LEASE_UNQUEUED,
 )
 
 #: events waiting to be published, per process; more are dropped

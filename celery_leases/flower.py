@@ -43,7 +43,15 @@ LEASE_FIELDS = (
     "lease_fate",
     "lease_ran_on",
     "lease_attempts",
+    "lease_queued",
 )
+
+#: what took a queued mark away, as ``lease_queued`` says it
+_UNQUEUED = {
+    "claimed": "its run claimed the lease",
+    "revoked": "its message was revoked",
+    "skipped": "its call was skipped",
+}
 
 #: a later outcome of one claim never gives way to an earlier one that arrives late
 _RANK = {"claimed": 0, "renewed": 1, "released": 2, "lost": 3, "fenced-out": 4, "completed": 5}
@@ -112,6 +120,7 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
 
     lease_job_id = lease_generation = lease_owner = lease_until = None
     lease_renewals = lease_takeovers = lease_fate = lease_ran_on = lease_attempts = None
+    lease_queued = None
     _fields = _CeleryTask._fields + LEASE_FIELDS
 
     def __init__(self, uuid: str | None = None, cluster_state: Any = None, **kwargs: Any) -> None:
@@ -138,6 +147,11 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
             attempts = self.lease_attempts = LeaseAttempts()
         worker = fields.get("hostname")
         generation = fields.get("generation")
+        if subject == "unqueued":
+            reason = fields.get("reason")
+            why = _UNQUEUED.get(str(reason), str(reason))
+            self.lease_queued = f"the queued job of {fields.get('job_id')!r}, until {why}"
+            return
         if subject in ("deferred", "skipped"):
             entry: dict[str, Any] = {"outcome": subject, "worker": worker}
             if subject == "deferred":

@@ -8,7 +8,9 @@ nothing; that result's ``lease_coalesced`` attribute is ``True``. The run
 that claims the key's lease takes the mark away (right after the claim), so
 the next send publishes again; a revoked or expired message takes it away
 when a worker discards it, and a call skipped under ``lease_on_busy="skip"``
-when it is answered. A mark that nobody takes away (a lost message, a
+when it is answered; each time the worker sends a ``lease-unqueued``
+event (with task events on) that names the job and why, which Flower shows
+as the task's ``lease_queued``. A mark that nobody takes away (a lost message, a
 sender that died between the mark and the publish) runs out by itself:
 until a message is published its mark lasts :data:`PUBLISH_WINDOW`, then the
 task's bound.
@@ -44,6 +46,7 @@ from typing import Any, TypeVar
 from celery.signals import task_revoked
 from celery.utils import uuid
 
+from celery_leases import events
 from celery_leases.errors import LeaseConfigurationError, LeaseError
 from celery_leases.lease import Lease
 from celery_leases.runtime import store_for
@@ -218,13 +221,28 @@ def _wait_before_run(options: dict[str, Any], zone: tzinfo) -> float:
     return 0.0
 
 
-def _take_back(store: Any, job_id: str, task_id: str, why: str) -> None:
-    """Take the mark of ``task_id`` away; a store error leaves it to run out."""
-    _store_call(
+def _take_back(store: Any, job_id: str, task_id: str, why: str) -> bool:
+    """Take the mark of ``task_id`` away; a store error leaves it to run out.
+
+    Returns:
+        Whether a mark of ``task_id`` was there and was taken away.
+    """
+    return bool(_store_call(
         lambda: store.unmark_queued(job_id, task_id),
         "could not take the queued mark of job %r (task %s) away after %s; it runs out "
         "by itself",
         job_id, task_id, why,
+    ))  # fmt: skip
+
+
+def _unqueued(sender: Any, request: Any, job_id: str, task_id: str, reason: str) -> None:
+    """Send ``lease-unqueued``: the mark of ``job_id`` that ``task_id``'s
+    message placed was taken away on this worker (``reason``: ``claimed``,
+    ``revoked`` or ``skipped``)."""
+    hostname = getattr(request, "hostname", None)
+    events.emit(
+        sender.app, events.LEASE_UNQUEUED, task_id=task_id, hostname=hostname,
+        job_id=job_id, reason=reason,
     )  # fmt: skip
 
 
@@ -243,22 +261,26 @@ def _on_claimed(sender: Any = None, lease: Lease | None = None, **_: Any) -> Non
     if lease is None or not lease.task_id or sender is None:
         return
     key = _queued_key(sender.request)
-    if key == lease.job_id:
-        _take_back(lease.store, key, lease.task_id, "its run claimed the lease")
+    if key == lease.job_id and _take_back(
+        lease.store, key, lease.task_id, "its run claimed the lease"
+    ):
+        _unqueued(sender, sender.request, key, lease.task_id, "claimed")
 
 
 def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     # a revoked or expired message is discarded: it will never claim
-    _take_back_ended(sender, request, getattr(request, "id", None), "its message was revoked")
+    _take_back_ended(
+        sender, request, getattr(request, "id", None), "revoked", "its message was revoked"
+    )
 
 
 def _on_skipped(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     # a call skipped under lease_on_busy="skip" is answered: it will never claim
     request = getattr(sender, "request", None)
-    _take_back_ended(sender, request, task_id, "its call was skipped")
+    _take_back_ended(sender, request, task_id, "skipped", "its call was skipped")
 
 
-def _take_back_ended(sender: Any, request: Any, task_id: str | None, why: str) -> None:
+def _take_back_ended(sender: Any, request: Any, task_id: str | None, reason: str, why: str) -> None:
     """Take the mark of a message that ended without claiming away."""
     key = _queued_key(request)
     if not key or not task_id or sender is None:
@@ -268,7 +290,8 @@ def _take_back_ended(sender: Any, request: Any, task_id: str | None, why: str) -
     except LeaseError as exc:
         logger.warning("could not open the lease store to unmark job %r: %s", key, exc)
         return
-    _take_back(store, key, task_id, why)
+    if _take_back(store, key, task_id, why):
+        _unqueued(sender, request, key, task_id, reason)
 
 
 lease_claimed.connect(_on_claimed, weak=False, dispatch_uid="celery_leases.queue_unique.claimed")

@@ -23,6 +23,7 @@ from celery_leases import LeasedTask, events
 from celery_leases.stores.memory import ManualClock
 from celery_leases.task import forget_runtime, store_for
 from tests.conftest import serve
+from tests.integration.test_queue_unique import unique_task
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -168,6 +169,19 @@ def test_a_run_sends_claimed_and_completed_events_when_the_worker_sends_task_eve
         assert event["hostname"] == value["hostname"]
     assert claimed[0]["takeovers"] == 0
     assert received.of("task-lease-") == [], "lease events must not look like task states"
+
+
+def test_the_run_of_a_queued_job_sends_lease_unqueued(make_app: Callable[..., Celery]) -> None:
+    """The run that claims a ``lease_queue_unique`` job takes its queued mark
+    away and says so (Flower shows it as the task's ``lease_queued``)."""
+    app = make_app(worker_send_task_events=True)
+    report = unique_task(app)
+    with receiving(app) as received, worker(app):
+        queued = report.delay(7, note="queued")
+        queued.get(timeout=WAIT)
+        [event] = wait_for(lambda: received.of("lease-unqueued", queued.id), "lease-unqueued")
+    assert (event["job_id"], event["reason"]) == ("report-7", "claimed")
+    assert event["hostname"] == received.of("lease-claimed", queued.id)[0]["hostname"]
 
 
 def test_no_lease_event_goes_out_when_the_worker_sends_no_task_events(

@@ -177,6 +177,15 @@ def test_a_call_skipped_as_busy_names_the_run_that_holds_its_job(state: State) -
     assert state.tasks["t2"].lease_fate == "skipped (busy: held by t1, generation 7)"
 
 
+def test_a_queued_job_says_what_took_its_mark_away(state: State) -> None:
+    send(state, "lease-unqueued", uuid="t3", hostname="a@h", job_id="reindex:42", reason="claimed")
+    task = state.tasks["t3"]
+    assert task.lease_queued == "the queued job of 'reindex:42', until its run claimed the lease"
+    assert task.lease_attempts in (None, [])  # not a claim, deferral or skip
+    send(state, "lease-unqueued", uuid="t4", hostname="a@h", job_id="reindex:42", reason="revoked")
+    assert state.tasks["t4"].lease_queued.endswith("until its message was revoked")
+
+
 def test_a_lease_event_before_any_task_event_makes_the_task(state: State) -> None:
     claim(state, 7)
     task = state.tasks["t1"]
