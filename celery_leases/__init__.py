@@ -49,6 +49,7 @@ from celery_leases.stores.base import (
     RenewRequest,
 )
 from celery_leases.stores.memory import ManualClock, MemoryStore
+from celery_leases.stores.waiters import Waiter
 from celery_leases.task import LeasedTask
 from celery_leases.worker import install
 
@@ -121,6 +122,7 @@ __all__ = [
     "RenewRequest",
     "QueuedMark",
     "Renewed",
+    "Waiter",
     # fencing tokens
     "Token",
     "FencingToken",

@@ -37,9 +37,11 @@ from celery_leases.stores import LeaseStore, open_store
 from celery_leases.stores.base import Released
 
 __all__ = [
+    "CLOSE_FLUSH",
     "TaskOptions",
     "add_bind_hook",
     "app_bound",
+    "close_after_notices",
     "forget_runtime",
     "in_prefork_child",
     "on_process_init",
@@ -130,11 +132,29 @@ def task_options(app: Any, name: str, resolve: Any) -> TaskOptions:
     return options
 
 
+#: seconds the notices already queued may take before a store is closed
+CLOSE_FLUSH = 5.0
+
+
 def forget_runtime(app: Any) -> None:
-    """Drop the cached settings and store of ``app`` (after a config change)."""
+    """Drop the cached settings and store of ``app`` (after a config change).
+
+    The notices already queued run first (up to :data:`CLOSE_FLUSH` s): a
+    run's end takes its waiters on the notifier, and a closed SQL store's
+    engine would open a connection for it that nothing ever closes.
+    """
     runtime = _runtimes.forget(app)
     if runtime is not None and runtime.store is not None:
-        runtime.store.close()
+        close_after_notices(runtime.store)
+
+
+def close_after_notices(store: LeaseStore) -> None:
+    """Close ``store`` once the notices queued in this process have run
+    (up to :data:`CLOSE_FLUSH` s; none are waited for on the notifier itself)."""
+    notifier = process_notifier()
+    if notifier.running and threading.current_thread().name != notifier.name:
+        notifier.flush(CLOSE_FLUSH)
+    store.close()
 
 
 def in_prefork_child() -> bool:

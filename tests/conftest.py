@@ -16,6 +16,7 @@ from typing import TypeVar
 import pytest
 
 from celery_leases import LeaseStore, open_store
+from celery_leases.runtime import close_after_notices
 from tests.broker_servers import RabbitServer, SqsServer
 from tests.servers import (
     MariadbServer,
@@ -228,7 +229,7 @@ def open_test_store(store_url: tuple[str, dict[str, str]]) -> Iterator[StoreFact
 
     yield factory
     for store in opened:
-        store.close()
+        close_after_notices(store)  # a run's end may take waiters on the notifier
 
 
 @pytest.fixture

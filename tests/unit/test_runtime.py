@@ -5,11 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 from celery import Celery
 
-from celery_leases.runtime import add_bind_hook, app_bound, forget_runtime
+from celery_leases.notify import notify
+from celery_leases.runtime import add_bind_hook, app_bound, forget_runtime, store_for
 
 
 def test_a_bind_hook_is_called_for_apps_bound_before_and_after_it() -> None:
@@ -53,3 +55,26 @@ def test_a_leased_task_alone_installs_the_bootstep_and_the_inspect_command() -> 
     assert done.stdout.split("\n")[0] == (
         "True ['leases_metrics_port', 'leases_store', 'leases_ttl'] True"
     )
+
+
+def test_forgetting_an_app_closes_its_store_after_the_queued_notices() -> None:
+    """A run's end takes its waiters on the notifier: the store it used
+    closes only after that notice ran, or a SQL store's disposed engine
+    would open a connection for it that nothing closes."""
+    app = Celery("forget", set_as_current=False)
+    app.conf.leases_store = "memory://"
+    store = store_for(app)
+    seen: list[str] = []
+    closing = store.close
+
+    def close() -> None:
+        seen.append("closed")
+        closing()
+
+    store.close = close  # type: ignore[method-assign]
+    gate = threading.Event()
+    notify(gate.wait, 10)
+    notify(lambda: seen.append("notice ran"))
+    gate.set()
+    forget_runtime(app)
+    assert seen == ["notice ran", "closed"]
