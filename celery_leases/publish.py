@@ -38,9 +38,9 @@ from celery_leases import signals
 from celery_leases.backoff import backoff_delays
 from celery_leases.broker_checks import countdown_cap
 from celery_leases.lease import Lease
-from celery_leases.request import CONTENT_TYPE_KEY, header_of
+from celery_leases.request import CONTENT_TYPE_KEY, header_of, headers_of
 from celery_leases.runtime import settings_for
-from celery_leases.sending import SEND_ID_HEADER, keeping_send_id
+from celery_leases.sending import keeping_send_id, message_send_id
 
 __all__ = [
     "DEFERRALS_HEADER",
@@ -51,7 +51,6 @@ __all__ = [
     "deferrals_of",
     "publish_again",
     "send_copy",
-    "send_id_of_copy",
 ]
 
 logger = logging.getLogger("celery_leases")
@@ -104,12 +103,6 @@ def capped_countdown(task: Any, countdown: float) -> float:
     return countdown if cap is None else min(countdown, cap)
 
 
-def send_id_of_copy(request: Any) -> str | None:
-    """The send id a copy of the running message is published with: its own."""
-    value = header_of(request, SEND_ID_HEADER)
-    return str(value) if value else None
-
-
 def copy_signature(
     task: Any,
     request: Any,
@@ -123,7 +116,7 @@ def copy_signature(
     """The signature of a copy of the running message: the same send, with
     one more deferral counted, ``headers`` added, the message's serializer,
     the route ``reason`` asks for, and ``options`` (a ``countdown``)."""
-    inherited = {k: v for k, v in (request.headers or {}).items() if k != WOKEN_HEADER}
+    inherited = {k: v for k, v in headers_of(request).items() if k != WOKEN_HEADER}
     headers = {**inherited, DEFERRALS_HEADER: deferrals_of(request) + 1, **(headers or {})}
     options["headers"] = headers
     serializer = registry.type_to_name.get(getattr(request, CONTENT_TYPE_KEY, None) or "")
@@ -174,7 +167,7 @@ def publish_again(
     signature = copy_signature(
         task, request, args, kwargs, reason=reason, headers=headers, countdown=countdown
     )
-    send_id = send_id_of_copy(request)
+    send_id = message_send_id(request)  # a copy is the same send
     waits, waited = backoff_delays(FIRST_PUBLISH_RETRY), 0.0
     while True:
         try:

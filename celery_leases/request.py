@@ -15,7 +15,13 @@ from typing import Any
 
 from celery.worker.request import Request
 
-__all__ = ["CONTENT_ENCODING_KEY", "CONTENT_TYPE_KEY", "LeasedRequest", "header_of"]
+__all__ = [
+    "CONTENT_ENCODING_KEY",
+    "CONTENT_TYPE_KEY",
+    "LeasedRequest",
+    "header_of",
+    "headers_of",
+]
 
 CONTENT_TYPE_KEY = "leases_content_type"
 CONTENT_ENCODING_KEY = "leases_content_encoding"
@@ -40,6 +46,13 @@ def header_of(request: Any, name: str, default: Any = None) -> Any:
     """
     value = getattr(request, name, None)
     if value is None:
-        headers = getattr(request, "headers", None)
-        value = headers.get(name) if isinstance(headers, Mapping) else None
+        value = headers_of(request).get(name)
     return default if value is None else value
+
+
+def headers_of(request: Any) -> Mapping[str, Any]:
+    """``request.headers`` (what an eager or direct call keeps there, and
+    what a worker's request keeps of its message), or an empty mapping when
+    it is none or not a mapping."""
+    headers = getattr(request, "headers", None)
+    return headers if isinstance(headers, Mapping) else {}

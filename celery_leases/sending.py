@@ -37,7 +37,14 @@ from celery.signals import before_task_publish
 from celery_leases.request import header_of
 from celery_leases.stores.base import TASK_ID_SEND_PREFIX
 
-__all__ = ["SEND_ID_HEADER", "TASK_ID_SEND_PREFIX", "keeping_send_id", "send_id_for", "send_id_of"]
+__all__ = [
+    "SEND_ID_HEADER",
+    "TASK_ID_SEND_PREFIX",
+    "keeping_send_id",
+    "message_send_id",
+    "send_id_for",
+    "send_id_of",
+]
 
 #: message header holding the send id
 SEND_ID_HEADER = "leases_send_id"
@@ -79,6 +86,12 @@ def send_id_of(request: Any) -> str | None:
     """The send id of the running delivery; a fresh one for eager and direct calls."""
     if request.is_eager or request.called_directly:
         return uuid.uuid4().hex
+    return message_send_id(request)
+
+
+def message_send_id(request: Any) -> str | None:
+    """The send id the running message carries (a copy published again
+    keeps it), or None for a message without one."""
     value = header_of(request, SEND_ID_HEADER)
     return str(value) if value else None
 

@@ -71,11 +71,10 @@ from celery_leases.publish import (
     copy_signature,
     publish_again,
     send_copy,
-    send_id_of_copy,
 )
 from celery_leases.request import header_of
 from celery_leases.runtime import store_for
-from celery_leases.sending import send_id_for
+from celery_leases.sending import message_send_id, send_id_for
 from celery_leases.stores.base import TASK_ID_SEND_PREFIX, HeldElsewhere, LeaseState, LeaseStore
 from celery_leases.stores.deadline import bounded
 from celery_leases.stores.waiters import LAST_SKIPPED, MAX_WAITER_BYTES, SKIPPED_KEPT
@@ -207,7 +206,7 @@ def _register(
     ``signature`` (its copy) to publish when the holder ends."""
     if not request.id:
         return False
-    payload = _encode(task, signature, send_id_of_copy(request))
+    payload = _encode(task, signature, message_send_id(request))
     if payload is None:
         return False
     waiter_id = send_id or f"{TASK_ID_SEND_PREFIX}{request.id}"
