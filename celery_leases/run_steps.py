@@ -43,6 +43,7 @@ from celery_leases.stores.deadline import bounded
 from celery_leases.wake import note_skipped, wait_for_holder, wake_waiters
 
 __all__ = [
+    "SEND_ENDED",
     "UNKNOWN_COMPLETION",
     "answer_completed",
     "answer_held",
@@ -59,6 +60,12 @@ logger = logging.getLogger("celery_leases")
 #: the loss reason of a run whose completion the store never confirmed nor
 #: refused; the store was asked again (by a release) before it was given
 UNKNOWN_COMPLETION = "completion-unknown"
+
+#: the release reasons that end a send's attempt for good: a copy of the
+#: same send and attempt that claims later is a duplicate. The others
+#: (fenced out, a completion whose answer was lost, ``Ignore`` and
+#: ``Reject``) run the send again.
+SEND_ENDED = frozenset({"failure", "retry", "replaced", "duplicate"})
 
 
 def outcome_options(task: Any, options: TaskOptions | None = None) -> dict[str, Any]:
@@ -201,7 +208,7 @@ def _give_up(
         if reason != "interrupted":
             # a worker shutting down (cold shutdown, terminate) starts no
             # thread and publishes nothing: its waiters' fallback copies claim
-            wake_waiters(task, lease)
+            wake_waiters(task, lease, send_ended=reason in SEND_ENDED)
     return result
 
 

@@ -20,10 +20,11 @@ The woken copy and the fallback are the same send (same send id): the
 second to arrive finds the job completed by its own send and is answered
 as a duplicate, or finds it held by its own send and waits for it. Since
 another send may complete the job between the two, the copy whose run
-ends (completes or releases) leaves a *mark* of its send in the store,
-and a copy that claims later and finds it releases the job without
-running (:func:`ran_already`). A copy killed mid-run leaves none, so the
-send's next copy runs it.
+ends the send's attempt (completes, fails, retries, is replaced) leaves a
+*mark* of its send in the store, and a copy that claims later and finds it
+releases the job without running (:func:`ran_already`). A copy killed
+mid-run, fenced out, or released for a reason that runs it again leaves
+none, so the send's next copy runs it.
 
 Races, and what closes them:
 
@@ -282,17 +283,22 @@ def _holder_now(
     return _Holder.ANOTHER_SEND
 
 
-def wake_waiters(task: Any, lease: Lease) -> None:
+def wake_waiters(task: Any, lease: Lease, *, send_ended: bool = True) -> None:
     """After ``lease``'s run ended: publish the job's waiters, soon, on the
     notifier thread (never on the thread that keeps lease deadlines).
 
-    A run of a waiting send marks its send again first, so that the mark
-    outlasts every copy of it still on its way (:func:`ran_already`).
+    ``send_ended``: the run ended its send's attempt (it completed, failed,
+    retried or was replaced). A run of a waiting send that did marks its
+    send first, so that the mark outlasts every copy of it still on its way
+    (:func:`ran_already`). A run released for another reason (fenced out,
+    a completion whose answer was lost, ``Ignore`` or ``Reject``) leaves no
+    mark: its send is to run again, and a copy that found a mark would
+    release the job without running it.
     """
     request = task.request
     own = send_id_for(request, lease.job_id)
     mark = None
-    if _header(request, WAITING_HEADER):
+    if send_ended and _header(request, WAITING_HEADER):
         mark = (_mark_id(request, own), request.id, task.lease_options().defer_max)
     notify(_wake, task, lease.store, lease.job_id, own, mark)
 
