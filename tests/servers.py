@@ -27,6 +27,7 @@ __all__ = [
     "RedisCluster",
     "RedisServer",
     "SentinelGroup",
+    "ServerExited",
     "ServerMissing",
     "find_postgres_bin",
     "free_port",
@@ -35,6 +36,10 @@ __all__ = [
 
 class ServerMissing(RuntimeError):
     """The server's binaries are not installed on this machine."""
+
+
+class ServerExited(RuntimeError):
+    """The server process exited while it was starting."""
 
 
 def free_port() -> int:
@@ -48,7 +53,7 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+            raise ServerExited(f"server on port {port} exited with {proc.returncode}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
         time.sleep(0.05)
@@ -61,7 +66,7 @@ def _wait_until_loaded(port: int, proc: subprocess.Popen[bytes], timeout: float 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+            raise ServerExited(f"server on port {port} exited with {proc.returncode}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 5) as sock:
             sock.sendall(b"PING\r\n")
             if not sock.recv(256).startswith(b"-LOADING"):
@@ -119,8 +124,16 @@ class RedisServer(_ServerProcess):
     ``prefix`` is a command the server runs under (a profiler, say).
     """
 
+    #: first starts on fresh ports before giving up: a port that another
+    #: process took between its pick and the server's bind makes it exit
+    FIRST_START_TRIES = 3
+
     def __init__(
-        self, *extra_args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+        self,
+        *extra_args: str,
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+        bus_port: bool = False,
     ) -> None:
         self.env = env or {}
         self.prefix = prefix
@@ -129,10 +142,19 @@ class RedisServer(_ServerProcess):
             raise ServerMissing("redis-server is not installed (apt-get install redis-server)")
         self.binary = binary
         self.dir = Path(tempfile.mkdtemp(prefix="leases-redis-"))
-        self.port = free_port()
         self.extra_args = extra_args
+        self.bus_port = bus_port
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        for attempt in range(self.FIRST_START_TRIES):
+            self.port = free_port()
+            # a cluster node's bus port is set: port + 10000 may be above 65535
+            self.cluster_port = free_port() if bus_port else None
+            try:
+                self.start()
+                break
+            except ServerExited:
+                if attempt == self.FIRST_START_TRIES - 1:
+                    raise
 
     @property
     def url(self) -> str:
@@ -152,6 +174,7 @@ class RedisServer(_ServerProcess):
             "--maxmemory-policy", "noeviction",
             "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"),
+            *(() if self.cluster_port is None else ("--cluster-port", str(self.cluster_port))),
             *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
@@ -520,15 +543,13 @@ class RedisCluster:
         self.nodes: list[RedisServer] = []
         try:
             for _ in range(6):
-                # the bus port is set: port + 10000 may be above 65535
                 node_args = [
                     "--cluster-enabled", "yes",
-                    "--cluster-port", str(free_port()),
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", "1000",
                     "--appendfsync", "everysec",
                 ]  # fmt: skip
-                self.nodes.append(RedisServer(*node_args))
+                self.nodes.append(RedisServer(*node_args, bus_port=True))
             self.cli(
                 "--cluster", "create",
                 *(f"127.0.0.1:{node.port}" for node in self.nodes),
