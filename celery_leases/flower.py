@@ -142,16 +142,16 @@ class LeaseTask(_CeleryTask):  # type: ignore[misc]  # celery ships no type hint
 
     def lease_event(self, subject: str, fields: dict[str, Any]) -> None:
         """Merge one ``lease-<subject>`` event into the lease fields."""
+        if subject == "unqueued":  # not an attempt: a fact of the queued message
+            reason = fields.get("reason")
+            why = _UNQUEUED.get(str(reason), str(reason))
+            self.lease_queued = f"the queued job of {fields.get('job_id')!r}, until {why}"
+            return
         attempts = self.lease_attempts
         if attempts is None:
             attempts = self.lease_attempts = LeaseAttempts()
         worker = fields.get("hostname")
         generation = fields.get("generation")
-        if subject == "unqueued":
-            reason = fields.get("reason")
-            why = _UNQUEUED.get(str(reason), str(reason))
-            self.lease_queued = f"the queued job of {fields.get('job_id')!r}, until {why}"
-            return
         if subject in ("deferred", "skipped"):
             entry: dict[str, Any] = {"outcome": subject, "worker": worker}
             if subject == "deferred":

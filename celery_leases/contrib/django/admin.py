@@ -100,26 +100,15 @@ def _queued_mark_of(row: Any) -> QueuedMark | None:
     )
 
 
-def _queued_field(field: str, description: str) -> Callable[[Any, Lease], str]:
-    """A read-only field of the detail page: a field of the job's live queued mark."""
+def _annotated_field(field: str, until: str, description: str) -> Callable[[Any, Lease], str]:
+    """A read-only field of the detail page: the annotation ``field`` of a
+    lease row (a task id, or a time shown as a date), "-" once the entry it
+    comes from ran out at the annotation ``until`` (the store counts it no
+    more): the job's queued mark, or its last skipped call."""
 
     def column(model_admin: Any, lease: Lease) -> str:
-        mark = _queued_mark_of(lease)
-        if mark is None:
-            return "-"
-        value = getattr(mark, field)
-        return value if isinstance(value, str) else _when(value)
-
-    shown: Callable[[Any, Lease], str] = admin.display(description=description)(column)
-    return shown
-
-
-def _skipped_field(field: str, description: str) -> Callable[[Any, Lease], str]:
-    """A read-only field of the detail page: the task id of the job's last
-    skipped call, or when it was skipped (``skipped_*`` annotations)."""
-
-    def column(model_admin: Any, lease: Lease) -> str:
-        if lease.skipped_until is None or lease.skipped_until <= _now_ms(lease):
+        runs_out = getattr(lease, until)
+        if runs_out is None or runs_out <= _now_ms(lease):
             return "-"
         value = getattr(lease, field)
         return value if isinstance(value, str) else _when(value)
@@ -242,11 +231,13 @@ class LeaseAdmin(ReadOnlyAdmin):
             return ""
         return f"{mark.task_id} ({_left(mark.queued_until, _now_ms(lease))} left)"
 
-    queued_task = _queued_field("task_id", "queued task id")
-    queued_since = _queued_field("queued_at", "queued at (UTC)")
-    queued_until_shown = _queued_field("queued_until", "queued mark runs out (UTC)")
-    skipped_task = _skipped_field("skipped_task_id", "last skipped task id")
-    skipped_at = _skipped_field("skipped_since", "last skipped at (UTC)")
+    queued_task = _annotated_field("queued_task_id", "queued_until", "queued task id")
+    queued_since = _annotated_field("queued_at", "queued_until", "queued at (UTC)")
+    queued_until_shown = _annotated_field(
+        "queued_until", "queued_until", "queued mark runs out (UTC)"
+    )
+    skipped_task = _annotated_field("skipped_task_id", "skipped_until", "last skipped task id")
+    skipped_at = _annotated_field("skipped_since", "skipped_until", "last skipped at (UTC)")
 
     claimed = _date_column("claimed_at", "claimed (UTC)")
     renewed = _date_column("renewed_at", "renewed (UTC)")
